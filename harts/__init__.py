@@ -1,0 +1,51 @@
+"""HARTS: compile batches of rollout trees into prefix-sharing execution plans for hybrid-attention models.
+
+    import harts
+    batch = harts.RolloutBatch.from_trajectories(token_lists, advantages=...)
+    plan = harts.compile(batch, capacity=65536, dp_size=1, chunk_size=64)
+    out = harts.runtime.log_probs(model, plan, batch)
+
+Subpackages that need torch (``runtime``, ``models``, ``rl``, ``kernels``) load on first use.
+"""
+
+import importlib
+
+__version__ = "0.1.0"
+
+from harts.batch import RolloutBatch  # noqa: E402
+from harts.compiler import DEFAULT_PIPELINE, compile  # noqa: E402
+from harts.errors import (  # noqa: E402
+    HartsError,
+    IRParseError,
+    IRVerificationError,
+    PipelineError,
+    PlanArtifactError,
+    PlanningError,
+    RolloutInputError,
+)
+from harts.plan import Plan, load_plan  # noqa: E402
+
+_LAZY_SUBMODULES = ("runtime", "models", "rl", "kernels", "workloads", "io", "codegen", "planner")
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"harts.{name}")
+    raise AttributeError(f"module 'harts' has no attribute {name!r}")
+
+
+__all__ = [
+    "DEFAULT_PIPELINE",
+    "HartsError",
+    "IRParseError",
+    "IRVerificationError",
+    "PipelineError",
+    "Plan",
+    "PlanArtifactError",
+    "PlanningError",
+    "RolloutBatch",
+    "RolloutInputError",
+    "__version__",
+    "compile",
+    "load_plan",
+]

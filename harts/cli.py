@@ -1,0 +1,138 @@
+"""The ``harts`` command line: compile, inspect, run the demo step, benchmark."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+import harts
+from harts.errors import HartsError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="HARTS: prefix-sharing plans for hybrid-attention RL training.")
+console = Console(stderr=True)
+logger = logging.getLogger("harts")
+
+
+@app.callback()
+def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INFO level (pass timings, sizes).")) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(message)s",
+        handlers=[RichHandler(console=console, show_path=False)],
+    )
+
+
+def _fail(error: Exception) -> None:
+    console.print(f"[bold red]error:[/bold red] {error}")
+    raise typer.Exit(code=2)
+
+
+def _format(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return "-" if value is None else str(value)
+
+
+def print_stats(stats: dict, title: str = "plan") -> None:
+    table = Table(title=title, show_header=False)
+    for key, value in stats.items():
+        table.add_row(key, _format(value))
+    Console().print(table)
+
+
+@app.command("compile")
+def compile_command(
+    input: str = typer.Argument(..., help="Node table (.jsonl/.parquet) or preset: demo, swe-like, swe-like:seed=3,scale=0.1"),
+    output: Path = typer.Option(..., "--output", "-o", help="Plan artifact to write (a directory, or a .safetensors file)."),
+    pipeline: Optional[str] = typer.Option(None, "--pipeline", help="Pass pipeline text; default: the full pipeline."),
+    capacity: int = typer.Option(65536, "--capacity", help="Microbatch capacity T in compact tokens."),
+    dp: int = typer.Option(1, "--dp", help="Data-parallel degree D."),
+    chunk_size: int = typer.Option(64, "--chunk-size", help="Linear-attention chunk size B."),
+    print_ir_after_all: bool = typer.Option(False, "--print-ir-after-all", help="Print the IR after every pass (stderr)."),
+    print_ir_after: Optional[str] = typer.Option(None, "--print-ir-after", help="Comma-separated passes to print the IR after."),
+    dump_ir: Optional[Path] = typer.Option(None, "--dump-ir", help="Write every stage to DIR/NNN_<pass>.txt."),
+    no_verify: bool = typer.Option(False, "--no-verify", help="Skip IR verification after each pass."),
+    time_passes: bool = typer.Option(False, "--time-passes", help="Print the time of every pass."),
+) -> None:
+    """Compile a rollout batch into a plan artifact."""
+    from harts.passes.manager import DumpIR, PrintIRAfter, TimePasses
+    from harts.workloads import resolve_input
+
+    try:
+        instruments = []
+        if print_ir_after_all:
+            instruments.append(PrintIRAfter(None))
+        elif print_ir_after:
+            instruments.append(PrintIRAfter([p.strip() for p in print_ir_after.split(",") if p.strip()]))
+        if dump_ir is not None:
+            instruments.append(DumpIR(dump_ir))
+        timer = TimePasses() if time_passes else None
+        if timer is not None:
+            instruments.append(timer)
+        with console.status(f"reading {input}"):
+            batch = resolve_input(input)
+        plan = harts.compile(
+            batch, capacity=capacity, dp_size=dp, chunk_size=chunk_size, pipeline=pipeline,
+            verify=False if no_verify else None, instruments=instruments, progress=True,
+        )
+        plan.save(output)
+    except HartsError as error:
+        _fail(error)
+    print_stats(plan.stats, title=f"plan written to {output}")
+    if timer is not None:
+        console.print(timer.report())
+
+
+@app.command("inspect")
+def inspect_command(
+    plan_path: Path = typer.Argument(..., help="Plan artifact written by `harts compile`."),
+    as_json: bool = typer.Option(False, "--json", help="Print the full inspect document as JSON."),
+    ir: bool = typer.Option(False, "--ir", help="Print the plan's IR text."),
+) -> None:
+    """Show a plan: statistics, microbatches and rounds."""
+    try:
+        plan = harts.load_plan(plan_path)
+    except HartsError as error:
+        _fail(error)
+    if as_json:
+        sys.stdout.write(json.dumps(plan.to_json(), indent=2, sort_keys=True) + "\n")
+        return
+    if ir:
+        sys.stdout.write(plan.ir_text())
+        return
+    print_stats(plan.stats, title=str(plan_path))
+    table = Table(title="microbatches")
+    for column in ("mb", "replica", "slot", "trajectories", "compact work", "rounds", "replay"):
+        table.add_column(column, justify="right")
+    for mb in plan.microbatches:
+        table.add_row(
+            str(mb.index), _format(mb.replica), _format(mb.slot), str(len(mb.trajectories)), str(mb.work),
+            _format(None if mb.rounds is None else len(mb.rounds)), _format(mb.replay_tokens),
+        )
+    Console().print(table)
+
+
+@app.command("passes")
+def passes_command() -> None:
+    """List the registered passes and the default pipeline."""
+    from harts.passes import PASS_REGISTRY
+
+    table = Table(title="passes")
+    for column in ("name", "requires", "produces", "summary"):
+        table.add_column(column)
+    for name, pass_class in sorted(PASS_REGISTRY.items(), key=lambda item: item[1].produces):
+        table.add_row(name, str(pass_class.requires), str(pass_class.produces), pass_class.summary)
+    Console().print(table)
+    Console().print("default pipeline: " + ",".join(harts.DEFAULT_PIPELINE))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()

@@ -1,0 +1,200 @@
+"""The tree IR: frozen attrs nodes, one root (:class:`Module`) that records its phase.
+
+Coordinates. A *position* is an index into one trajectory's own token list (0-based);
+every span ``[start, end)`` below is in the coordinates of the trajectory it names.
+Tokens themselves are not part of the IR: they live in the :class:`~harts.RolloutBatch`
+whose hash the module records, so the IR stays small and prints in full.
+
+Phases, in order, and what each adds (the pass that adds it in brackets):
+
+* ``lowered``      trajectories (index, tree, length)                  [lower]
+* ``compressed``   the compact trie over the whole batch              [prefix-compress]
+* ``partitioned``  microbatches: member trajectories and their work   [partition-microbatches]
+* ``scheduled``    a DP replica and a slot for every microbatch       [schedule-slots]
+* ``segmented``    each microbatch's segment forest on the chunk grid [segment]
+* ``rounded``      each microbatch's execution rounds (Alg. 1)        [min-call-rounds]
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+
+class Phase(enum.IntEnum):
+    LOWERED = 0
+    COMPRESSED = 1
+    PARTITIONED = 2
+    SCHEDULED = 3
+    SEGMENTED = 4
+    ROUNDED = 5
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+@attrs.frozen
+class Trajectory:
+    """Trajectory ``index`` of the batch (user order), in rollout tree ``tree``, ``length`` tokens."""
+
+    index: int
+    tree: int
+    length: int
+
+
+@attrs.frozen
+class TrieNode:
+    """One node of the compact trie: a maximal run of shared tokens with one multiplicity.
+
+    The node covers positions ``[start, end)`` of every trajectory through it. Nodes are
+    numbered in preorder with children in token order, so a node's compact rows are
+    ``row .. row + (end - start) - 1`` and preorder equals lexicographic order.
+    ``multiplicity`` is q: the number of trajectories that pass through the node.
+    A node boundary falls at every fork and at every trajectory end.
+    """
+
+    id: int
+    parent: int  # -1 for a root (one root per first token)
+    start: int
+    end: int
+    multiplicity: int
+    row: int
+
+
+@attrs.frozen
+class CompactTrie:
+    """The prefix-compressed batch (Eq. 3, 5, 6).
+
+    ``nodes``: preorder. ``leaf``: for trajectory i, the node where it ends (``end == length``).
+    ``order``: trajectory indices in stable lexicographic order of their tokens.
+    ``lcp``: ``lcp[r]`` = LCP(order[r-1], order[r]) (``lcp[0] == 0``).
+    ``compact_tokens`` = C(X) = G = sum of node lengths.
+    """
+
+    nodes: tuple[TrieNode, ...]
+    leaf: tuple[int, ...]
+    order: tuple[int, ...]
+    lcp: tuple[int, ...]
+    compact_tokens: int
+
+    def path(self, trajectory: int) -> list[TrieNode]:
+        """The nodes from the root to where ``trajectory`` ends."""
+        nodes = []
+        node = self.leaf[trajectory]
+        while node >= 0:
+            nodes.append(self.nodes[node])
+            node = self.nodes[node].parent
+        return nodes[::-1]
+
+    def rows(self, trajectory: int) -> list[int]:
+        """The map m for one trajectory: the compact row of each of its positions."""
+        rows: list[int] = []
+        for node in self.path(trajectory):
+            rows.extend(range(node.row, node.row + node.end - node.start))
+        return rows
+
+
+@attrs.frozen
+class Segment:
+    """A maximal fork-free token path of one microbatch's trie (§3.3).
+
+    Segment ``id`` (0-based inside its microbatch, preorder) covers positions
+    ``[start, end)`` of every trajectory through it; ``parent`` is -1 for a root segment.
+    ``nodes`` are the compact-trie nodes it merges, root to leaf. ``trajectory`` is the
+    smallest index among the microbatch's trajectories that reach ``end`` (length >= end),
+    a representative whose token path covers the whole segment.
+    Anchors: a_v = B*floor(start/B), b_v = B*floor(end/B) with B the module's chunk size.
+    """
+
+    id: int
+    parent: int
+    start: int
+    end: int
+    nodes: tuple[int, ...]
+    trajectory: int
+
+
+@attrs.frozen
+class StateRef:
+    """The boundary state at ``position`` exported in round ``round`` by the sequence of ``trajectory``."""
+
+    round: int
+    trajectory: int
+    position: int
+
+
+@attrs.frozen
+class InputSequence:
+    """One input sequence of a packed linear-attention call.
+
+    It runs positions ``[replay_start, end)`` of ``trajectory``: rows ``[replay_start, start)``
+    are replay (state updates only, no outputs), rows ``[start, end)`` produce outputs.
+    ``state_from`` is None for a zero initial state (then ``replay_start == 0``), else
+    the exported boundary state it starts from (``state_from.position == replay_start``).
+    ``segments`` are the segment ids it executes, in order (a direct-continuation chain).
+    ``trajectory`` is the smallest index among the microbatch's trajectories whose length is
+    at least ``end`` and that pass through its last segment (a leaf segment).
+    ``exports`` are the boundary positions (multiples of B, inside ``(replay_start, end]``)
+    whose states later sequences start from.
+    """
+
+    trajectory: int
+    start: int
+    end: int
+    replay_start: int
+    state_from: StateRef | None
+    segments: tuple[int, ...]
+    exports: tuple[int, ...] = ()
+
+
+@attrs.frozen
+class Round:
+    """One packed linear-attention call: its input sequences, numbered from 0 within a microbatch."""
+
+    index: int
+    sequences: tuple[InputSequence, ...]
+
+
+@attrs.frozen
+class Microbatch:
+    """A set of trajectories executed together.
+
+    ``trajectories`` are batch indices in ascending order; ``work`` is C(M), its compact
+    tokens. ``replica`` and ``slot`` are set from phase ``scheduled`` on; ``segments`` from
+    ``segmented``; ``rounds`` and ``replay_tokens`` (R, Eq. 15) from ``rounded``.
+    """
+
+    index: int
+    trajectories: tuple[int, ...]
+    work: int
+    replica: int | None = None
+    slot: int | None = None
+    segments: tuple[Segment, ...] | None = None
+    rounds: tuple[Round, ...] | None = None
+    replay_tokens: int | None = None
+
+
+@attrs.frozen
+class Module:
+    """The IR root. ``input_hash`` identifies the batch the IR was lowered from.
+
+    ``capacity`` (T, compact tokens per microbatch), ``dp_size`` (D) and ``chunk_size`` (B)
+    are the targets every pass plans for.
+    """
+
+    phase: Phase
+    input_hash: str
+    capacity: int
+    dp_size: int
+    chunk_size: int
+    trajectories: tuple[Trajectory, ...]
+    trie: CompactTrie | None = None
+    microbatches: tuple[Microbatch, ...] | None = None
+
+
+#: Every IR node class, by name (the printer and parser use it).
+NODE_CLASSES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (Trajectory, TrieNode, CompactTrie, Segment, StateRef, InputSequence, Round, Microbatch, Module)
+}

@@ -1,0 +1,89 @@
+"""Constant-time prefix-sharing queries over lexicographically sorted trajectories (Eq. 5-6).
+
+Ranks ``0 .. N-1`` index trajectories in lexicographic order. With ``lcp[r]`` the LCP of
+ranks ``r-1`` and ``r``, the compact work of a contiguous rank interval is
+
+    W(a, b) = sum(len[a..b]) - sum(lcp[a+1..b])
+
+and the LCP of any two ranks ``i < j`` is ``min(lcp[i+1..j])``, answered by a sparse table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from harts.ir.nodes import CompactTrie, Module
+
+
+class PrefixIndex:
+    """Interval work, pairwise LCP and subset work on one batch's lexicographic order."""
+
+    def __init__(self, order: Iterable[int], lengths_by_trajectory: Iterable[int], lcp: Iterable[int]):
+        self.order = np.asarray(list(order), dtype=np.int64)
+        lengths_by_trajectory = np.asarray(list(lengths_by_trajectory), dtype=np.int64)
+        self.lcp = np.asarray(list(lcp), dtype=np.int64)
+        n = len(self.order)
+        if self.lcp.shape != (n,):
+            raise ValueError(f"lcp has {self.lcp.shape} entries, expected {n}")
+        self.size = n
+        self.lengths = lengths_by_trajectory[self.order]  # by rank
+        self.rank = np.empty(n, dtype=np.int64)
+        self.rank[self.order] = np.arange(n)
+        self._length_prefix = np.concatenate([[0], np.cumsum(self.lengths)])
+        self._lcp_prefix = np.concatenate([[0], np.cumsum(self.lcp)])
+        self._sparse = [self.lcp.copy()]
+        width = 1
+        while 2 * width <= n:
+            previous = self._sparse[-1]
+            self._sparse.append(np.minimum(previous[:-width], previous[width:]))
+            width *= 2
+
+    @classmethod
+    def from_trie(cls, trie: CompactTrie, lengths_by_trajectory: Iterable[int]) -> "PrefixIndex":
+        return cls(trie.order, lengths_by_trajectory, trie.lcp)
+
+    @classmethod
+    def from_module(cls, module: Module) -> "PrefixIndex":
+        if module.trie is None:
+            raise ValueError("the module has no compact trie; run prefix-compress first")
+        return cls.from_trie(module.trie, [t.length for t in module.trajectories])
+
+    def lcp_min(self, lo: int, hi: int) -> int:
+        """min(lcp[lo..hi]) for ``lo <= hi`` (inclusive)."""
+        level = int(hi - lo + 1).bit_length() - 1
+        table = self._sparse[level]
+        return int(min(table[lo], table[hi - (1 << level) + 1]))
+
+    def lcp_ranks(self, i: int, j: int) -> int:
+        """LCP of the trajectories at ranks ``i`` and ``j``."""
+        if i == j:
+            return int(self.lengths[i])
+        if i > j:
+            i, j = j, i
+        return self.lcp_min(i + 1, j)
+
+    def lcp_trajectories(self, x: int, y: int) -> int:
+        """LCP of trajectories ``x`` and ``y`` (batch indices)."""
+        return self.lcp_ranks(int(self.rank[x]), int(self.rank[y]))
+
+    def interval_work(self, a: int, b: int) -> int:
+        """W(a, b): compact tokens of ranks ``a..b`` inclusive (0 if ``a > b``)."""
+        if a > b:
+            return 0
+        return int(self._length_prefix[b + 1] - self._length_prefix[a] - (self._lcp_prefix[b + 1] - self._lcp_prefix[a + 1]))
+
+    def subset_work(self, trajectories: Iterable[int]) -> int:
+        """C(M) of Eq. 5 for any set of trajectories (batch indices)."""
+        ranks = np.sort(self.rank[np.asarray(list(trajectories), dtype=np.int64)])
+        if len(ranks) == 0:
+            return 0
+        return self.ranks_work(ranks)
+
+    def ranks_work(self, sorted_ranks: np.ndarray) -> int:
+        """C(M) for a set given as ascending ranks."""
+        total = int(self.lengths[sorted_ranks].sum())
+        for previous, current in zip(sorted_ranks[:-1], sorted_ranks[1:]):
+            total -= self.lcp_ranks(int(previous), int(current))
+        return total

@@ -1,0 +1,96 @@
+"""``prefix-compress``: the compact trie over every trajectory of the batch (§3.1, Eq. 3, 5, 6).
+
+Trajectories are sorted stably in token-lexicographic order; adjacent LCPs then give the
+trie directly (a stack walk, as for a suffix tree built from a suffix array): each new
+trajectory shares exactly ``lcp[r]`` tokens with the current path.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from harts.errors import PipelineError
+from harts.ir.nodes import CompactTrie, Module, Phase, TrieNode
+from harts.passes.base import Pass, PassContext, register_pass
+
+
+def sorted_order_and_lcp(tokens: tuple[np.ndarray, ...]) -> tuple[list[int], list[int]]:
+    """Stable lexicographic order of token arrays and the LCP of each rank with the previous one."""
+    keys = [t.astype(">u4").tobytes() for t in tokens]
+    order = sorted(range(len(tokens)), key=lambda i: (keys[i], i))
+    lcp = [0] * len(order)
+    for rank in range(1, len(order)):
+        a, b = tokens[order[rank - 1]], tokens[order[rank]]
+        n = min(len(a), len(b))
+        mismatch = np.flatnonzero(a[:n] != b[:n])
+        lcp[rank] = int(mismatch[0]) if mismatch.size else n
+    return order, lcp
+
+
+@attrs.define
+class _Building:
+    start: int
+    end: int
+    children: list["_Building"] = attrs.field(factory=list)
+    ending: list[int] = attrs.field(factory=list)  # trajectories that end at ``end``
+
+
+def build_compact_trie(tokens: tuple[np.ndarray, ...]) -> CompactTrie:
+    order, lcp = sorted_order_and_lcp(tokens)
+    roots: list[_Building] = []
+    path: list[_Building] = []
+    for rank, trajectory in enumerate(order):
+        shared, length = lcp[rank], len(tokens[trajectory])
+        while path and path[-1].start >= shared:
+            path.pop()
+        if path and path[-1].end > shared:
+            top = path[-1]
+            tail = _Building(shared, top.end, top.children, top.ending)
+            top.end, top.children, top.ending = shared, [tail], []
+        if length > shared:
+            node = _Building(shared, length, ending=[trajectory])
+            (path[-1].children if path else roots).append(node)
+            path.append(node)
+        else:
+            path[-1].ending.append(trajectory)
+
+    nodes: list[TrieNode] = []
+    leaf = [0] * len(tokens)
+    row = 0
+    stack: list[tuple[_Building, int]] = [(node, -1) for node in reversed(roots)]
+    subtree_ends: list[int] = []
+    while stack:
+        node, parent = stack.pop()
+        node_id = len(nodes)
+        nodes.append(TrieNode(id=node_id, parent=parent, start=node.start, end=node.end, multiplicity=0, row=row))
+        subtree_ends.append(len(node.ending))
+        row += node.end - node.start
+        for trajectory in node.ending:
+            leaf[trajectory] = node_id
+        stack.extend((child, node_id) for child in reversed(node.children))
+    # Children follow their parent in preorder, so one reverse sweep accumulates subtree counts.
+    for node in reversed(nodes):
+        if node.parent >= 0:
+            subtree_ends[node.parent] += subtree_ends[node.id]
+    nodes = [attrs.evolve(node, multiplicity=subtree_ends[node.id]) for node in nodes]
+    return CompactTrie(nodes=tuple(nodes), leaf=tuple(leaf), order=tuple(order), lcp=tuple(lcp), compact_tokens=row)
+
+
+@register_pass
+class PrefixCompress(Pass):
+    name = "prefix-compress"
+    summary = "compact trie over the batch: map m, multiplicities q, lexicographic order and LCPs"
+    requires = Phase.LOWERED
+    produces = Phase.COMPRESSED
+
+    @attrs.frozen
+    class Options:
+        pass
+
+    def run(self, module: Module, options: Options, ctx: PassContext) -> Module:
+        batch = ctx.batch
+        if batch is None or batch.content_hash() != module.input_hash:
+            raise PipelineError("prefix-compress needs the rollout batch the module was lowered from (input hash differs)")
+        trie = build_compact_trie(batch.tokens)
+        return attrs.evolve(module, phase=Phase.COMPRESSED, trie=trie)

@@ -1,0 +1,363 @@
+"""Compiled plans, their statistics, the inspect document and the on-disk artifact.
+
+Artifact layout (a directory)::
+
+    PLAN/manifest.json         schema version, harts version, input hash, options, pipeline,
+                               stats, sha256 of the two files below, and its own digest
+    PLAN/plan.ir               the rounded IR in canonical text
+    PLAN/tensors.safetensors   per-microbatch index tensors of the compact physical layout
+
+or a single ``*.safetensors`` file holding the tensors, with manifest and IR in its
+metadata. Loading checks the schema version and every digest: a truncated or edited
+artifact fails with :class:`~harts.errors.PlanArtifactError`, never yields a wrong plan.
+Saving writes to a temporary sibling and renames it into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from harts.errors import HartsError, PlanArtifactError
+from harts.ir.nodes import Module, Phase
+from harts.ir.text import parse_ir, print_ir
+from harts.ir.verify import verify
+
+SCHEMA_VERSION = 1
+_MANIFEST = "manifest.json"
+_IR = "plan.ir"
+_TENSORS = "tensors.safetensors"
+
+
+def _segment_depths(module: Module) -> tuple[int, int]:
+    """(number of maximal fork-free segments, deepest root-to-leaf segment count) of the batch trie."""
+    trie = module.trie
+    children = [0] * len(trie.nodes)
+    for node in trie.nodes:
+        if node.parent >= 0:
+            children[node.parent] += 1
+    depth = [0] * len(trie.nodes)
+    segments = 0
+    for node in trie.nodes:
+        starts_segment = node.parent < 0 or children[node.parent] > 1
+        segments += starts_segment
+        parent_depth = depth[node.parent] if node.parent >= 0 else 0
+        depth[node.id] = parent_depth + (1 if starts_segment else 0)
+    return segments, max(depth, default=0)
+
+
+def compute_stats(module: Module, plan_seconds: float | None = None) -> dict[str, Any]:
+    """The figures of a compiled module; keys follow the inspect document in DESIGN.md."""
+    lengths = [t.length for t in module.trajectories]
+    semantic = int(sum(lengths))
+    stats: dict[str, Any] = {
+        "trajectories": len(lengths),
+        "trees": len({t.tree for t in module.trajectories}),
+        "semantic_tokens": semantic,
+        "capacity": module.capacity,
+        "dp_size": module.dp_size,
+        "chunk_size": module.chunk_size,
+        "phase": str(module.phase),
+        "compact_tokens": None,
+        "lower_bound_work": None,
+        "total_work": None,
+        "compression": None,
+        "slot_critical_work": None,
+        "max_replica_work": None,
+        "num_microbatches": None,
+        "replay_tokens": None,
+        "max_rounds": None,
+        "segments": None,
+        "max_depth": None,
+        "plan_seconds": plan_seconds,
+    }
+    if module.trie is not None:
+        compact = module.trie.compact_tokens
+        segments, max_depth = _segment_depths(module)
+        stats.update(compact_tokens=compact, lower_bound_work=compact, total_work=compact,
+                     compression=semantic / compact, segments=segments, max_depth=max_depth)
+    if module.microbatches is not None:
+        total = sum(mb.work for mb in module.microbatches)
+        stats.update(total_work=total, compression=semantic / total, num_microbatches=len(module.microbatches))
+        if module.phase >= Phase.SCHEDULED:
+            slots: dict[int, int] = {}
+            replicas: dict[int, int] = {}
+            for mb in module.microbatches:
+                slots[mb.slot] = max(slots.get(mb.slot, 0), mb.work)
+                replicas[mb.replica] = replicas.get(mb.replica, 0) + mb.work
+            stats.update(slot_critical_work=sum(slots.values()), max_replica_work=max(replicas.values()))
+        if module.phase >= Phase.SEGMENTED:
+            stats["segments"] = sum(len(mb.segments) for mb in module.microbatches)
+        if module.phase >= Phase.ROUNDED:
+            stats.update(
+                replay_tokens=sum(mb.replay_tokens for mb in module.microbatches),
+                max_rounds=max(len(mb.rounds) for mb in module.microbatches),
+            )
+    return stats
+
+
+def _sequence_json(sequence) -> dict[str, Any]:
+    state = sequence.state_from
+    return {
+        "trajectory": sequence.trajectory,
+        "start": sequence.start,
+        "end": sequence.end,
+        "replay_start": sequence.replay_start,
+        "state_from": None if state is None else {"round": state.round, "trajectory": state.trajectory, "position": state.position},
+        "exports": list(sequence.exports),
+    }
+
+
+@attrs.frozen(eq=False, slots=False)
+class Plan:
+    """A compiled plan: the final IR, the pipeline that produced it and its statistics."""
+
+    module: Module
+    pipeline: str
+    stats: dict[str, Any]
+
+    @property
+    def has_rounds(self) -> bool:
+        return self.module.phase >= Phase.ROUNDED
+
+    @property
+    def microbatches(self):
+        return self.module.microbatches or ()
+
+    @property
+    def input_hash(self) -> str:
+        return self.module.input_hash
+
+    def to_json(self) -> dict[str, Any]:
+        """The inspect document (``harts inspect PLAN --json``)."""
+        microbatches = []
+        for mb in self.microbatches:
+            entry: dict[str, Any] = {
+                "index": mb.index,
+                "replica": mb.replica,
+                "slot": mb.slot,
+                "trajectories": list(mb.trajectories),
+                "compact_work": mb.work,
+                "replay_tokens": mb.replay_tokens,
+                "rounds": None if mb.rounds is None else [[_sequence_json(s) for s in r.sequences] for r in mb.rounds],
+            }
+            microbatches.append(entry)
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "pipeline": self.pipeline,
+            "input_hash": self.input_hash,
+            "stats": dict(self.stats),
+            "microbatches": microbatches,
+        }
+
+    def ir_text(self) -> str:
+        return print_ir(self.module)
+
+    # ------------------------------------------------------------- codegen
+    def layout(self, microbatch: int):
+        """The compact physical layout of one microbatch (cached)."""
+        return self._layouts[microbatch]
+
+    @cached_property
+    def _layouts(self) -> "_LazyLayouts":
+        return _LazyLayouts(self.module)
+
+    def index_tensors(self) -> dict[str, np.ndarray]:
+        """Every microbatch's layout tensors, keys prefixed ``mb<index>.``."""
+        tensors: dict[str, np.ndarray] = {}
+        if not self.has_rounds:
+            return tensors
+        for mb in self.microbatches:
+            for key, value in self.layout(mb.index).to_tensors().items():
+                tensors[f"mb{mb.index}.{key}"] = np.ascontiguousarray(value)
+        return tensors
+
+    def render_programs(self) -> str:
+        """The generated torch.fx programs of every microbatch, as text."""
+        from harts.codegen.fx import render_programs
+
+        parts = []
+        for mb in self.microbatches:
+            parts.append(f"// ===== microbatch {mb.index} (replica {mb.replica}, slot {mb.slot}) =====\n")
+            parts.append(render_programs(self.layout(mb.index)))
+        return "".join(parts)
+
+    # ------------------------------------------------------------- artifact
+    def manifest(self, ir_text: str, tensor_bytes: bytes) -> dict[str, Any]:
+        from harts import __version__
+
+        stats = {k: v for k, v in self.stats.items() if k != "plan_seconds"}
+        manifest = {
+            "schema_version": SCHEMA_VERSION,
+            "harts_version": __version__,
+            "input_hash": self.input_hash,
+            "options": {"capacity": self.module.capacity, "dp_size": self.module.dp_size, "chunk_size": self.module.chunk_size},
+            "pipeline": self.pipeline.split(",") if self.pipeline else [],
+            "pipeline_text": self.pipeline,
+            "stats": stats,
+            "ir_sha256": hashlib.sha256(ir_text.encode()).hexdigest(),
+            "tensors_sha256": hashlib.sha256(tensor_bytes).hexdigest(),
+        }
+        manifest["manifest_sha256"] = _manifest_digest(manifest)
+        return manifest
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the artifact atomically: a directory, or one file if ``path`` ends in ``.safetensors``."""
+        from safetensors.numpy import save as save_tensors
+
+        path = Path(path)
+        ir_text = self.ir_text()
+        tensors = self.index_tensors()
+        if path.suffix == ".safetensors":
+            manifest = self.manifest(ir_text, _tensor_payload(tensors))
+            data = save_tensors(tensors, metadata={"harts_manifest": _dumps(manifest), "harts_ir": ir_text})
+            _atomic_write_file(path, data)
+            return path
+        tensor_bytes = save_tensors(tensors)
+        manifest = self.manifest(ir_text, tensor_bytes)
+        _atomic_write_directory(path, {_MANIFEST: _dumps(manifest).encode(), _IR: ir_text.encode(), _TENSORS: tensor_bytes})
+        return path
+
+
+class _LazyLayouts:
+    def __init__(self, module: Module):
+        self.module = module
+        self.cache: dict[int, Any] = {}
+
+    def __getitem__(self, index: int):
+        if index not in self.cache:
+            from harts.codegen.layout import MicrobatchLayout
+
+            self.cache[index] = MicrobatchLayout.build(self.module, index)
+        return self.cache[index]
+
+
+def _dumps(document: dict[str, Any]) -> str:
+    return json.dumps(document, sort_keys=True, indent=2) + "\n"
+
+
+def _manifest_digest(manifest: dict[str, Any]) -> str:
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _tensor_payload(tensors: dict[str, np.ndarray]) -> bytes:
+    """Canonical bytes of a tensor dict (names, dtypes, shapes, data), for single-file digests."""
+    digest_input = bytearray()
+    for name in sorted(tensors):
+        array = np.ascontiguousarray(tensors[name])
+        digest_input += f"{name}:{array.dtype.str}:{array.shape};".encode() + array.tobytes()
+    return bytes(digest_input)
+
+
+def _atomic_write_file(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
+
+def _atomic_write_directory(path: Path, files: dict[str, bytes]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and not path.is_dir():
+        raise PlanArtifactError(f"cannot save a plan to {path}: a file of that name exists")
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        for name, data in files.items():
+            with open(staging / name, "wb") as stream:
+                stream.write(data)
+                stream.flush()
+                os.fsync(stream.fileno())
+        if path.exists():
+            retired = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
+            os.replace(path, retired / "plan")
+            os.replace(staging, path)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.replace(staging, path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _check_manifest(manifest: Any, where: Path) -> dict[str, Any]:
+    if not isinstance(manifest, dict):
+        raise PlanArtifactError(f"{where}: the manifest is not a JSON object")
+    version = manifest.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise PlanArtifactError(f"{where}: plan schema version {version!r} is not supported (this harts reads version {SCHEMA_VERSION})")
+    if manifest.get("manifest_sha256") != _manifest_digest(manifest):
+        raise PlanArtifactError(f"{where}: the manifest was edited or is corrupt (its digest does not match)")
+    return manifest
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    """Load and check a plan artifact written by :meth:`Plan.save`."""
+    path = Path(path)
+    if not path.exists():
+        raise PlanArtifactError(f"no plan at {path}")
+    try:
+        if path.is_dir():
+            try:
+                manifest = json.loads((path / _MANIFEST).read_text())
+            except FileNotFoundError:
+                raise PlanArtifactError(f"{path}: missing {_MANIFEST}; not a HARTS plan directory") from None
+            except json.JSONDecodeError as error:
+                raise PlanArtifactError(f"{path / _MANIFEST}: truncated or not JSON ({error})") from None
+            manifest = _check_manifest(manifest, path)
+            try:
+                ir_text = (path / _IR).read_text()
+                tensor_bytes = (path / _TENSORS).read_bytes()
+            except FileNotFoundError as error:
+                raise PlanArtifactError(f"{path}: missing {Path(error.filename).name}") from None
+            if hashlib.sha256(tensor_bytes).hexdigest() != manifest.get("tensors_sha256"):
+                raise PlanArtifactError(f"{path / _TENSORS}: truncated or edited (digest mismatch)")
+        else:
+            from safetensors import safe_open
+            from safetensors.numpy import load_file
+
+            try:
+                with safe_open(str(path), framework="numpy") as handle:
+                    metadata = handle.metadata() or {}
+                tensors = load_file(str(path))
+            except Exception as error:  # safetensors raises several types for damaged headers
+                raise PlanArtifactError(f"{path}: not a readable plan file ({error})") from None
+            if "harts_manifest" not in metadata or "harts_ir" not in metadata:
+                raise PlanArtifactError(f"{path}: no HARTS manifest in the file metadata")
+            try:
+                manifest = _check_manifest(json.loads(metadata["harts_manifest"]), path)
+            except json.JSONDecodeError as error:
+                raise PlanArtifactError(f"{path}: manifest is not JSON ({error})") from None
+            ir_text = metadata["harts_ir"]
+            if hashlib.sha256(_tensor_payload(tensors)).hexdigest() != manifest.get("tensors_sha256"):
+                raise PlanArtifactError(f"{path}: index tensors were edited (digest mismatch)")
+        if hashlib.sha256(ir_text.encode()).hexdigest() != manifest.get("ir_sha256"):
+            raise PlanArtifactError(f"{path}: the IR was truncated or edited (digest mismatch)")
+        module = parse_ir(ir_text)
+        verify(module)
+    except PlanArtifactError:
+        raise
+    except HartsError as error:
+        raise PlanArtifactError(f"{path}: the stored plan is invalid: {error}") from None
+    if module.input_hash != manifest.get("input_hash"):
+        raise PlanArtifactError(f"{path}: the IR's input hash differs from the manifest's")
+    stats = dict(manifest.get("stats", {}))
+    stats["plan_seconds"] = None
+    return Plan(module=module, pipeline=manifest.get("pipeline_text", ""), stats=stats)

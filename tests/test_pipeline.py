@@ -1,0 +1,139 @@
+"""Pass registry, pipeline text, instruments and verification switches."""
+
+from __future__ import annotations
+
+import io
+
+import attrs
+import pytest
+
+import harts
+from harts.errors import IRVerificationError, PipelineError
+from harts.ir.nodes import Module, Phase
+from harts.passes import PASS_REGISTRY, Pass, PassContext, lower, parse_pipeline, pipeline_to_text, register_pass
+from harts.passes.manager import DumpIR, PrintIRAfter, TimePasses, instruments_from_environment, run_pipeline
+
+
+@register_pass
+class CorruptMultiplicity(Pass):
+    """Test-only pass that breaks an invariant, to show verification catches it."""
+
+    name = "test-corrupt-multiplicity"
+    requires = Phase.COMPRESSED
+    produces = Phase.COMPRESSED
+
+    @attrs.frozen
+    class Options:
+        amount: int = 1
+        enabled: bool = True
+        scale: float | None = None
+        label: str = "x"
+
+    def run(self, module: Module, options: Options, ctx: PassContext) -> Module:
+        if not options.enabled:
+            return module
+        nodes = list(module.trie.nodes)
+        nodes[0] = attrs.evolve(nodes[0], multiplicity=nodes[0].multiplicity + options.amount)
+        return attrs.evolve(module, trie=attrs.evolve(module.trie, nodes=tuple(nodes)))
+
+
+def small_batch():
+    return harts.RolloutBatch.from_trajectories([[1, 2, 3], [1, 2, 4, 5], [9]])
+
+
+def test_pipeline_text_round_trips_with_typed_options():
+    invocations = parse_pipeline("prefix-compress, test-corrupt-multiplicity{amount=3,enabled=false,scale=0.5,label=y}")
+    assert [i.name for i in invocations] == ["prefix-compress", "test-corrupt-multiplicity"]
+    options = invocations[1].options
+    assert (options.amount, options.enabled, options.scale, options.label) == (3, False, 0.5, "y")
+    assert pipeline_to_text(invocations) == "prefix-compress,test-corrupt-multiplicity{amount=3,enabled=false,scale=0.5,label=y}"
+    assert parse_pipeline(pipeline_to_text(invocations)) == invocations
+    assert parse_pipeline("test-corrupt-multiplicity{scale=none}")[0].options.scale is None
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("prefix-compres", "unknown pass 'prefix-compres'"),
+        ("test-corrupt-multiplicity{colour=2}", "has no option 'colour'"),
+        ("test-corrupt-multiplicity{amount=many}", "amount='many' is not a valid"),
+        ("test-corrupt-multiplicity{amount}", "must be key=value"),
+        ("prefix-compress;;", "cannot parse pipeline text"),
+    ],
+)
+def test_bad_pipelines_are_rejected(text, message):
+    with pytest.raises(PipelineError, match=message):
+        parse_pipeline(text)
+
+
+def test_every_registered_pass_is_kebab_case_and_ordered():
+    for name, pass_class in PASS_REGISTRY.items():
+        assert name == pass_class.name
+        assert pass_class.produces >= pass_class.requires
+
+
+def test_verification_after_each_pass_catches_a_bad_pass_and_can_be_switched_off():
+    batch = small_batch()
+    with pytest.raises(IRVerificationError, match="multiplicity"):
+        harts.compile(batch, pipeline="prefix-compress,test-corrupt-multiplicity")
+    plan = harts.compile(batch, pipeline="prefix-compress,test-corrupt-multiplicity", verify=False)
+    assert plan.module.trie.nodes[0].multiplicity == 3
+
+
+def test_verification_switch_from_environment(monkeypatch):
+    monkeypatch.setenv("HARTS_VERIFY", "0")
+    harts.compile(small_batch(), pipeline="prefix-compress,test-corrupt-multiplicity")
+
+
+def test_pass_order_is_checked():
+    batch = small_batch()
+    module = lower(batch)
+    with pytest.raises(PipelineError, match="needs phase compressed"):
+        run_pipeline(module, parse_pipeline("test-corrupt-multiplicity"), PassContext(batch=batch))
+
+
+def test_print_ir_after_named_and_all_passes():
+    stream = io.StringIO()
+    harts.compile(small_batch(), pipeline="prefix-compress,test-corrupt-multiplicity{enabled=false}",
+                  instruments=[PrintIRAfter(["prefix-compress"], stream=stream)])
+    assert stream.getvalue().count("// ----- IR after") == 1
+    stream = io.StringIO()
+    harts.compile(small_batch(), pipeline="prefix-compress,test-corrupt-multiplicity{enabled=false}",
+                  instruments=[PrintIRAfter(None, stream=stream)])
+    text = stream.getvalue()
+    assert "IR after prefix-compress" in text and "IR after test-corrupt-multiplicity{enabled=false}" in text
+    with pytest.raises(PipelineError, match="unknown pass"):
+        PrintIRAfter(["no-such-pass"])
+
+
+def test_dump_ir_writes_numbered_stages_that_parse(tmp_path):
+    from harts.ir.text import parse_ir
+
+    harts.compile(small_batch(), pipeline="prefix-compress", instruments=[DumpIR(tmp_path)])
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["000_lower.txt", "001_prefix-compress.txt"]
+    assert parse_ir((tmp_path / "001_prefix-compress.txt").read_text()).phase == Phase.COMPRESSED
+
+
+def test_instruments_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("HARTS_DUMP_IR", str(tmp_path))
+    monkeypatch.setenv("HARTS_TIME_PASSES", "1")
+    monkeypatch.setenv("HARTS_PRINT_IR_AFTER", "prefix-compress")
+    kinds = {type(i) for i in instruments_from_environment()}
+    assert kinds == {DumpIR, TimePasses, PrintIRAfter}
+    harts.compile(small_batch(), pipeline="prefix-compress")
+    assert (tmp_path / "001_prefix-compress.txt").exists()
+
+
+def test_time_passes_records_each_pass():
+    timer = TimePasses()
+    harts.compile(small_batch(), pipeline="prefix-compress", instruments=[timer])
+    assert set(timer.seconds) == {"prefix-compress"}
+    assert "total" in timer.report()
+
+
+def test_bad_compile_options_are_named():
+    with pytest.raises(PipelineError, match="'capacity' must be a positive integer"):
+        harts.compile(small_batch(), capacity=0, pipeline="prefix-compress")
+    with pytest.raises(PipelineError, match="expects a RolloutBatch"):
+        harts.compile([[1, 2]], pipeline="prefix-compress")
