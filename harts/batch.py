@@ -40,7 +40,7 @@ def _as_token_array(values: Any, trajectory: int) -> np.ndarray:
     if array.size == 0:
         raise RolloutInputError(f"trajectory {trajectory}: field 'tokens' is empty; a trajectory needs at least one token")
     if array.dtype.kind not in "iu":
-        entries = array.tolist()
+        entries = list(values) if isinstance(values, (list, tuple)) else array.tolist()
         bad = next(
             (i for i, v in enumerate(entries) if isinstance(v, bool) or not isinstance(v, numbers.Integral)), 0
         )
@@ -137,6 +137,19 @@ class RolloutBatch:
         for name, values in self.trajectory_fields.items():
             if values.shape[:1] != (len(self.tokens),):
                 raise RolloutInputError(f"field '{name}': expected one entry per trajectory ({len(self.tokens)}), got shape {values.shape}")
+
+    @classmethod
+    def read(cls, path: Any) -> "RolloutBatch":
+        """Read a node table (``.jsonl`` or ``.parquet``); see :mod:`harts.io`."""
+        from harts.io import read_node_table
+
+        return read_node_table(path)
+
+    def write(self, path: Any) -> None:
+        """Write this batch as a node table (``.jsonl`` or ``.parquet``), atomically; see :mod:`harts.io`."""
+        from harts.io import write_node_table
+
+        write_node_table(self, path)
 
     # ------------------------------------------------------------------ views
     def __len__(self) -> int:

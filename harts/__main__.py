@@ -1,0 +1,3 @@
+from harts.cli import app
+
+app(prog_name="harts")

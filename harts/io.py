@@ -1,0 +1,775 @@
+"""Node tables: rollout trees on disk (JSON Lines or Parquet) and in memory.
+
+A node table is one table whose rows each carry a ``kind``:
+
+* ``"node"`` rows hold the trees: ``tree_id``, ``node_id``, ``parent_id`` (null for a
+  root), ``token_ids`` and any per-token fields, one value per token of the node
+  (``loss_mask`` defaults to ones; the column ``logprobs`` becomes the batch field
+  ``rollout_logprobs``; every other list column keeps its name).
+* ``"trajectory"`` rows name the trajectories: ``tree_id``, ``leaf`` (the node where the
+  trajectory ends, interior nodes allowed), optional ``trajectory_id`` (the batch order)
+  and any scalar fields (``group_id``, ``reward``, ``advantage``, ...).
+* an optional ``"schema"`` row (written by :func:`write_node_table`) records the NumPy
+  dtype of every field so that a JSON Lines round trip is exact.
+
+A tree without trajectory rows contributes one trajectory per leaf node, in node order.
+Trajectory order: by ``trajectory_id`` when the trajectory rows carry it (trees without
+trajectory rows follow, in order of appearance), otherwise by order of appearance (the
+trajectory row, or the leaf node row for a tree without trajectory rows).
+
+The format is picked by the file suffix: ``.jsonl`` or ``.parquet``. Writes are atomic:
+the table goes to a temporary file in the target directory, is flushed to disk, and then
+replaces the target, so an error never leaves a half-written file behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import numbers
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from harts.batch import MAX_TOKEN_ID, RolloutBatch
+from harts.errors import RolloutInputError
+
+logger = logging.getLogger(__name__)
+
+NODE_KIND = "node"
+TRAJECTORY_KIND = "trajectory"
+SCHEMA_KIND = "schema"
+SCHEMA_VERSION = 1
+SUFFIXES = (".jsonl", ".parquet")
+
+NODE_COLUMNS = ("tree_id", "node_id", "parent_id", "token_ids")
+TRAJECTORY_COLUMNS = ("tree_id", "leaf", "trajectory_id")
+RESERVED_COLUMNS = frozenset({"kind", *NODE_COLUMNS, *TRAJECTORY_COLUMNS})
+#: Node-table column name -> batch field name, where the two differ.
+TOKEN_COLUMN_TO_FIELD = {"logprobs": "rollout_logprobs"}
+TOKEN_FIELD_TO_COLUMN = {field: column for column, field in TOKEN_COLUMN_TO_FIELD.items()}
+PARQUET_SCHEMA_KEY = b"harts.schema"
+
+
+# ---------------------------------------------------------------------------- parsing
+
+
+@attrs.define
+class _Node:
+    tree: int
+    node_id: int
+    parent: int | None
+    tokens: np.ndarray
+    raw_fields: dict[str, Any]
+    record: int
+    fields: dict[str, np.ndarray] = attrs.field(factory=dict)
+
+
+@attrs.define
+class _TrajectoryRow:
+    tree: int
+    leaf: int
+    trajectory_id: int | None
+    fields: dict[str, Any]
+    record: int
+    implied: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"tree {self.tree}, {self.short_label}"
+
+    @property
+    def short_label(self) -> str:
+        if self.implied:
+            return f"trajectory at leaf node {self.leaf}"
+        if self.trajectory_id is not None:
+            return f"trajectory {self.trajectory_id}"
+        return f"trajectory at record {self.record}"
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple, np.ndarray))
+
+
+def _integer(value: Any, where: str, column: str) -> int:
+    if not _is_integer(value):
+        raise RolloutInputError(f"{where}: column '{column}' must be an integer, got {value!r}")
+    return int(value)
+
+
+def _token_array(values: Any, where: str) -> np.ndarray:
+    if not _is_list(values):
+        raise RolloutInputError(f"{where}: column 'token_ids' must be a list of token ids, got {values!r}")
+    if len(values) == 0:
+        return np.empty(0, dtype=np.int64)
+    array = np.asarray(values)
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        entries = values.tolist() if isinstance(values, np.ndarray) else list(values)
+        bad = next((i for i, v in enumerate(entries) if not _is_integer(v)), 0)
+        raise RolloutInputError(
+            f"{where}: column 'token_ids' entry {bad} is {entries[bad]!r}, not an integer token id"
+        )
+    if array.min() < 0:
+        bad = int(np.flatnonzero(array < 0)[0])
+        raise RolloutInputError(f"{where}: column 'token_ids' entry {bad} is {int(array[bad])}, token ids must be >= 0")
+    if array.max() > MAX_TOKEN_ID:
+        bad = int(np.flatnonzero(array > MAX_TOKEN_ID)[0])
+        raise RolloutInputError(
+            f"{where}: column 'token_ids' entry {bad} is {int(array[bad])}, above the largest id {MAX_TOKEN_ID}"
+        )
+    return array.astype(np.int64, copy=False)
+
+
+def _require(row: Mapping[str, Any], column: str, where: str, nullable: bool = False) -> Any:
+    if column not in row or (row[column] is None and not nullable):
+        hint = " (null for a root)" if nullable else ""
+        raise RolloutInputError(f"{where}: missing required column '{column}'{hint}")
+    return row[column]
+
+
+def _parse_rows(
+    rows: Iterable[Mapping[str, Any]], column_dtypes: Mapping[str, np.dtype] | None = None
+) -> tuple[list[_Node], list[_TrajectoryRow], dict[str, str]]:
+    """Split rows into nodes and trajectory rows; check ids and types row by row."""
+    nodes: list[_Node] = []
+    trajectories: list[_TrajectoryRow] = []
+    schema: dict[str, str] = {}
+    schema_record: int | None = None
+    for record, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise RolloutInputError(f"record {record}: expected an object with a 'kind', got {type(row).__name__}")
+        kind = row.get("kind")
+        if kind is None:
+            raise RolloutInputError(f"record {record}: missing required column 'kind'")
+        if kind == SCHEMA_KIND:
+            if schema_record is not None:
+                raise RolloutInputError(f"record {record}: a second schema record (the first is record {schema_record})")
+            schema_record = record
+            schema = _parse_schema(row, f"record {record} (schema)")
+            continue
+        if kind not in (NODE_KIND, TRAJECTORY_KIND):
+            raise RolloutInputError(
+                f"record {record}: unknown kind {kind!r}; expected '{NODE_KIND}' or '{TRAJECTORY_KIND}'"
+            )
+        where = f"record {record} ({kind})"
+        tree = _integer(_require(row, "tree_id", where), where, "tree_id")
+        foreign = TRAJECTORY_COLUMNS[1:] if kind == NODE_KIND else NODE_COLUMNS[1:]
+        for column in foreign:
+            if row.get(column) is not None:
+                raise RolloutInputError(f"{where}: column '{column}' does not apply to {kind} rows")
+        extra = {k: v for k, v in row.items() if k not in RESERVED_COLUMNS and v is not None}
+        if kind == NODE_KIND:
+            node_id = _integer(_require(row, "node_id", where), where, "node_id")
+            where = f"tree {tree}, node {node_id}"
+            parent = _require(row, "parent_id", where, nullable=True)
+            parent = None if parent is None else _integer(parent, where, "parent_id")
+            tokens = _token_array(_require(row, "token_ids", where), where)
+            for name, values in extra.items():
+                if not _is_list(values):
+                    raise RolloutInputError(
+                        f"{where}: field '{name}' must be a list with one value per token, got {values!r}"
+                    )
+            nodes.append(_Node(tree=tree, node_id=node_id, parent=parent, tokens=tokens, raw_fields=extra, record=record))
+        else:
+            leaf = _integer(_require(row, "leaf", where), where, "leaf")
+            trajectory_id = row.get("trajectory_id")
+            if trajectory_id is not None:
+                trajectory_id = _integer(trajectory_id, where, "trajectory_id")
+            trajectory = _TrajectoryRow(tree=tree, leaf=leaf, trajectory_id=trajectory_id, fields=extra, record=record)
+            for name, value in extra.items():
+                if _is_list(value) or isinstance(value, Mapping):
+                    raise RolloutInputError(
+                        f"{trajectory.label}: field '{name}' must be a scalar (per-token values belong on node rows)"
+                    )
+            trajectories.append(trajectory)
+    if column_dtypes:
+        schema = {**{k: np.dtype(v).str for k, v in column_dtypes.items()}, **schema}
+    return nodes, trajectories, schema
+
+
+def _parse_schema(row: Mapping[str, Any], where: str) -> dict[str, str]:
+    if row.get("version") != SCHEMA_VERSION:
+        raise RolloutInputError(f"{where}: unsupported schema version {row.get('version')!r}")
+    dtypes: dict[str, str] = {}
+    for section in ("token_fields", "trajectory_fields"):
+        entries = row.get(section, {})
+        if not isinstance(entries, Mapping):
+            raise RolloutInputError(f"{where}: '{section}' must map field names to dtypes")
+        for name, dtype in entries.items():
+            try:
+                dtypes[name] = np.dtype(dtype).str
+            except TypeError as error:
+                raise RolloutInputError(f"{where}: field '{name}' has an unknown dtype {dtype!r}") from error
+    return dtypes
+
+
+def _numeric(values: Any, where: str, name: str) -> np.ndarray:
+    array = np.asarray(values)
+    if array.ndim != 1 or array.dtype.kind not in "biuf":
+        raise RolloutInputError(f"{where}: field '{name}' holds non-numeric values")
+    return array
+
+
+def _cast(array: np.ndarray, dtype: np.dtype, where: str, name: str) -> np.ndarray:
+    try:
+        return array.astype(dtype, copy=False, casting="same_kind")
+    except TypeError as error:
+        raise RolloutInputError(f"{where}: field '{name}' holds {array.dtype} values that do not fit its dtype {dtype}") from error
+
+
+def _token_field_dtypes(nodes: list[_Node], schema: Mapping[str, str]) -> dict[str, np.dtype]:
+    """One dtype per per-token column: the schema's, else inferred over every node."""
+    inferred: dict[str, np.dtype | None] = {}
+    for node in nodes:
+        for name, values in node.raw_fields.items():
+            current = inferred.setdefault(name, None)
+            if name in schema or name == "loss_mask" or len(values) == 0:
+                continue
+            array = _numeric(values, f"tree {node.tree}, node {node.node_id}", name)
+            kind_dtype = np.dtype(bool) if array.dtype.kind == "b" else np.dtype(np.int64) if array.dtype.kind in "iu" else np.dtype(np.float64)
+            inferred[name] = kind_dtype if current is None else np.result_type(current, kind_dtype)
+    dtypes = {}
+    for name, dtype in inferred.items():
+        if name in schema:
+            dtypes[name] = np.dtype(schema[name])
+        elif name == "loss_mask":
+            dtypes[name] = np.dtype(np.float32)
+        else:
+            dtypes[name] = dtype if dtype is not None else np.dtype(np.float64)
+    return dtypes
+
+
+def _convert_node_fields(nodes: list[_Node], dtypes: Mapping[str, np.dtype]) -> None:
+    for node in nodes:
+        where = f"tree {node.tree}, node {node.node_id}"
+        for name, values in node.raw_fields.items():
+            array = _numeric(values, where, name) if len(values) else np.empty(0, dtype=dtypes[name])
+            if len(array) != len(node.tokens):
+                raise RolloutInputError(
+                    f"{where}: field '{name}' has {len(array)} entries, expected {len(node.tokens)} (one per token in 'token_ids')"
+                )
+            node.fields[name] = _cast(array, dtypes[name], where, name)
+
+
+def _check_tree_shapes(nodes: list[_Node]) -> dict[int, dict[int, _Node]]:
+    """Group nodes by tree; reject duplicate ids, missing parents and parent cycles."""
+    trees: dict[int, dict[int, _Node]] = {}
+    for node in nodes:
+        tree = trees.setdefault(node.tree, {})
+        if node.node_id in tree:
+            raise RolloutInputError(
+                f"tree {node.tree}: duplicate node_id {node.node_id} (records {tree[node.node_id].record} and {node.record})"
+            )
+        tree[node.node_id] = node
+    for tree_id, tree in trees.items():
+        for node in tree.values():
+            if node.parent is not None and node.parent not in tree:
+                raise RolloutInputError(f"tree {tree_id}, node {node.node_id}: parent_id {node.parent} is not a node of tree {tree_id}")
+        settled: set[int] = set()
+        for start in tree:
+            chain: list[int] = []
+            on_chain: set[int] = set()
+            current: int | None = start
+            while current is not None and current not in settled:
+                if current in on_chain:
+                    cycle = chain[chain.index(current):] + [current]
+                    links = " -> ".join(f"node {n}" for n in cycle)
+                    raise RolloutInputError(f"tree {tree_id}: parent_id links form a cycle: {links}")
+                on_chain.add(current)
+                chain.append(current)
+                current = tree[current].parent
+            settled.update(chain)
+    return trees
+
+
+def _ordered_trajectories(
+    trees: dict[int, dict[int, _Node]], rows: list[_TrajectoryRow]
+) -> list[_TrajectoryRow]:
+    with_id = [row for row in rows if row.trajectory_id is not None]
+    if with_id and len(with_id) != len(rows):
+        missing = next(row for row in rows if row.trajectory_id is None)
+        raise RolloutInputError(
+            f"{missing.label}: trajectory_id is given on some trajectory rows but not on this one (record {missing.record})"
+        )
+    seen: dict[int, _TrajectoryRow] = {}
+    for row in with_id:
+        if row.trajectory_id in seen:
+            first = seen[row.trajectory_id]
+            raise RolloutInputError(
+                f"trajectory {row.trajectory_id}: duplicate trajectory_id (records {first.record} in tree {first.tree} and {row.record} in tree {row.tree})"
+            )
+        seen[row.trajectory_id] = row
+    for row in rows:
+        tree = trees.get(row.tree)
+        if tree is None or row.leaf not in tree:
+            raise RolloutInputError(f"{row.label}: leaf {row.leaf} is not a node of tree {row.tree}")
+    trees_with_rows = {row.tree for row in rows}
+    implied: list[_TrajectoryRow] = []
+    for tree_id, tree in trees.items():
+        if tree_id in trees_with_rows:
+            continue
+        parents = {node.parent for node in tree.values()}
+        implied.extend(
+            _TrajectoryRow(tree=tree_id, leaf=node_id, trajectory_id=None, fields={}, record=node.record, implied=True)
+            for node_id, node in tree.items()
+            if node_id not in parents
+        )
+    if with_id:
+        return sorted(rows, key=lambda row: row.trajectory_id) + sorted(implied, key=lambda row: row.record)
+    return sorted(rows + implied, key=lambda row: row.record)
+
+
+def _trajectory_field_arrays(ordered: list[_TrajectoryRow], schema: Mapping[str, str]) -> dict[str, np.ndarray]:
+    names: dict[str, None] = {}
+    for row in ordered:
+        names.update(dict.fromkeys(row.fields))
+    arrays: dict[str, np.ndarray] = {}
+    for name in names:
+        values = []
+        for row in ordered:
+            if name not in row.fields:
+                reason = " (its tree has no trajectory rows)" if row.implied else ""
+                raise RolloutInputError(f"{row.label}: missing field '{name}' that other trajectories have{reason}")
+            values.append(row.fields[name])
+        array = np.asarray(values)
+        if array.dtype.kind not in "biufU" or array.ndim != 1:
+            raise RolloutInputError(f"field '{name}': trajectory values must be numbers, booleans or strings")
+        if name in schema:
+            array = _cast(array, np.dtype(schema[name]), "trajectory rows", name)
+        arrays[name] = array
+    return arrays
+
+
+def _batch_from_rows(rows: Iterable[Mapping[str, Any]], column_dtypes: Mapping[str, np.dtype] | None = None) -> RolloutBatch:
+    nodes, trajectory_rows, schema = _parse_rows(rows, column_dtypes)
+    if not nodes:
+        raise RolloutInputError("node table: no node rows, so the batch holds no trajectories")
+    _convert_node_fields(nodes, _token_field_dtypes(nodes, schema))
+    trees = _check_tree_shapes(nodes)
+    ordered = _ordered_trajectories(trees, trajectory_rows)
+    token_columns = list(dict.fromkeys(name for node in nodes for name in node.fields))
+    for column, field in TOKEN_COLUMN_TO_FIELD.items():
+        if column in token_columns and field in token_columns:
+            raise RolloutInputError(f"node rows: columns '{column}' and '{field}' name the same batch field '{field}'; give one")
+    column_dtypes_resolved = {name: next(n.fields[name].dtype for n in nodes if name in n.fields) for name in token_columns}
+    if "loss_mask" not in column_dtypes_resolved:
+        token_columns.append("loss_mask")
+        column_dtypes_resolved["loss_mask"] = np.dtype(np.float32)
+
+    tokens: list[np.ndarray] = []
+    token_values: dict[str, list[np.ndarray]] = {name: [] for name in token_columns}
+    for row in ordered:
+        tree = trees[row.tree]
+        path: list[_Node] = []
+        current: int | None = row.leaf
+        while current is not None:
+            path.append(tree[current])
+            current = tree[current].parent
+        path.reverse()
+        if not any(len(node.tokens) for node in path):
+            raise RolloutInputError(f"{row.label}: empty trajectory (no node on the path from the root to node {row.leaf} has tokens)")
+        tokens.append(np.concatenate([node.tokens for node in path]))
+        for name in token_columns:
+            pieces = []
+            for node in path:
+                if name in node.fields:
+                    pieces.append(node.fields[name])
+                elif name == "loss_mask" or len(node.tokens) == 0:
+                    pieces.append(np.ones(len(node.tokens), dtype=column_dtypes_resolved[name]))
+                else:
+                    raise RolloutInputError(
+                        f"tree {row.tree}, node {node.node_id}: missing field '{name}' that other nodes have "
+                        f"(needed by {row.short_label})"
+                    )
+            token_values[name].append(np.concatenate(pieces).astype(column_dtypes_resolved[name], copy=False))
+
+    batch = RolloutBatch(
+        tokens=tuple(tokens),
+        token_fields={TOKEN_COLUMN_TO_FIELD.get(name, name): tuple(values) for name, values in token_values.items()},
+        trajectory_fields=_trajectory_field_arrays(ordered, schema),
+        tree_ids=np.array([row.tree for row in ordered], dtype=np.int64),
+    )
+    batch.validate()
+    logger.debug("node table: %d nodes in %d trees, %d trajectories", len(nodes), len(trees), len(ordered))
+    return batch
+
+
+def read_node_table_records(records: Iterable[Mapping[str, Any]]) -> RolloutBatch:
+    """Build a batch from in-memory node-table rows (dicts with a ``kind``, see the module docs)."""
+    return _batch_from_rows(records)
+
+
+def _read_jsonl_rows(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    with path.open("r", encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise RolloutInputError(f"{path}: line {line_number} is not valid JSON ({error.msg})") from error
+    return rows
+
+
+def _read_parquet_rows(path: Path) -> tuple[list[dict[str, Any]], dict[str, np.dtype]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as error:
+        raise RolloutInputError(f"{path}: not a readable Parquet file ({error})") from error
+    if "kind" not in table.column_names:
+        raise RolloutInputError(f"{path}: missing required column 'kind'")
+    metadata = table.schema.metadata or {}
+    dtypes: dict[str, np.dtype] = {}
+    columns: dict[str, list[Any]] = {}
+    for name in table.column_names:
+        column = table.column(name).combine_chunks()
+        if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+            values = column.values
+            if values.null_count:
+                raise RolloutInputError(f"{path}: column '{name}' holds null entries inside a list")
+            flat = values.to_numpy(zero_copy_only=False)
+            if name != "token_ids" and flat.dtype.kind in "biuf":
+                dtypes[name] = flat.dtype
+            offsets = column.offsets.to_numpy()
+            valid = column.is_valid().to_numpy(zero_copy_only=False)
+            columns[name] = [flat[offsets[i]:offsets[i + 1]] if valid[i] else None for i in range(len(column))]
+        elif pa.types.is_nested(column.type):
+            raise RolloutInputError(f"{path}: column '{name}' has unsupported type {column.type}")
+        else:
+            if name not in RESERVED_COLUMNS and not pa.types.is_string(column.type):
+                try:
+                    dtypes[name] = np.dtype(column.type.to_pandas_dtype())
+                except (NotImplementedError, TypeError) as error:
+                    raise RolloutInputError(f"{path}: column '{name}' has unsupported type {column.type}") from error
+            columns[name] = column.to_pylist()
+    if PARQUET_SCHEMA_KEY in metadata:
+        try:
+            stored = json.loads(metadata[PARQUET_SCHEMA_KEY])
+        except json.JSONDecodeError as error:
+            raise RolloutInputError(f"{path}: the stored HARTS schema is not valid JSON") from error
+        dtypes.update({k: np.dtype(v) for k, v in _parse_schema(stored, f"{path}: stored HARTS schema").items()})
+    names = list(columns)
+    rows = [dict(zip(names, values)) for values in zip(*(columns[n] for n in names))]
+    return rows, dtypes
+
+
+def _suffix(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix not in SUFFIXES:
+        raise RolloutInputError(f"{path}: unsupported node-table format '{suffix}'; use one of {', '.join(SUFFIXES)}")
+    return suffix
+
+
+def read_node_table(path: str | os.PathLike[str]) -> RolloutBatch:
+    """Read a node table (``.jsonl`` or ``.parquet``) into a :class:`RolloutBatch`."""
+    path = Path(path)
+    suffix = _suffix(path)
+    if not path.is_file():
+        raise RolloutInputError(f"{path}: no such node-table file")
+    if suffix == ".jsonl":
+        return _batch_from_rows(_read_jsonl_rows(path))
+    rows, dtypes = _read_parquet_rows(path)
+    return _batch_from_rows(rows, dtypes)
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+@attrs.define
+class _RadixNode:
+    owner: int  # a trajectory through the node: its arrays hold the node's values
+    start: int
+    end: int
+    children: dict[tuple[int, ...], "_RadixNode"] = attrs.field(factory=dict)
+    ending: list[int] = attrs.field(factory=list)
+
+
+def _comparable(array: np.ndarray) -> np.ndarray:
+    """Integers that are equal exactly when the values are bit-identical (NaN equals NaN)."""
+    array = np.ascontiguousarray(array)
+    if array.dtype.kind == "f":
+        return array.view(f"u{array.dtype.itemsize}")
+    if array.dtype.kind == "b":
+        return array.view(np.uint8)
+    return array
+
+
+def _common_prefix(a: list[np.ndarray], a_start: int, b: list[np.ndarray], b_start: int, count: int) -> int:
+    differs = np.zeros(count, dtype=bool)
+    for column_a, column_b in zip(a, b):
+        differs |= column_a[a_start:a_start + count] != column_b[b_start:b_start + count]
+    mismatch = np.flatnonzero(differs)
+    return int(mismatch[0]) if mismatch.size else count
+
+
+def _position_key(columns: list[np.ndarray], position: int) -> tuple[int, ...]:
+    return tuple(int(column[position]) for column in columns)
+
+
+def _radix_forest(members: list[int], columns: list[list[np.ndarray]], lengths: np.ndarray) -> _RadixNode:
+    """The radix forest of one tree's trajectories, keyed by (token, per-token values) per position."""
+    root = _RadixNode(owner=-1, start=0, end=0)
+    for trajectory in members:
+        mine, length = columns[trajectory], int(lengths[trajectory])
+        node, position = root, 0
+        while True:
+            if position == length:
+                node.ending.append(trajectory)
+                break
+            key = _position_key(mine, position)
+            child = node.children.get(key)
+            if child is None:
+                node.children[key] = _RadixNode(owner=trajectory, start=position, end=length, ending=[trajectory])
+                break
+            span = child.end - child.start
+            matched = _common_prefix(mine, position, columns[child.owner], child.start, min(span, length - position))
+            if matched < span:
+                upper = _RadixNode(owner=child.owner, start=child.start, end=child.start + matched)
+                child.start += matched
+                upper.children[_position_key(columns[child.owner], child.start)] = child
+                node.children[key] = upper
+                child = upper
+            position += matched
+            node = child
+    return root
+
+
+def _field_columns(batch: RolloutBatch) -> tuple[dict[str, str], dict[str, str]]:
+    """Batch field name -> table column name, for per-token and per-trajectory fields."""
+    token_columns: dict[str, str] = {}
+    for name in batch.token_fields:
+        column = TOKEN_FIELD_TO_COLUMN.get(name, name)
+        if column in RESERVED_COLUMNS or name in TOKEN_COLUMN_TO_FIELD:
+            raise RolloutInputError(f"field '{name}': the name is reserved in node tables; rename the field")
+        token_columns[name] = column
+    trajectory_columns: dict[str, str] = {}
+    for name in batch.trajectory_fields:
+        if name in RESERVED_COLUMNS or name in TOKEN_COLUMN_TO_FIELD:
+            raise RolloutInputError(f"field '{name}': the name is reserved in node tables; rename the field")
+        if name in token_columns.values():
+            raise RolloutInputError(f"field '{name}': used both as a per-token and as a per-trajectory field")
+        trajectory_columns[name] = name
+    return token_columns, trajectory_columns
+
+
+def _default_tree_ids(batch: RolloutBatch) -> np.ndarray:
+    tree_of_first_token: dict[int, int] = {}
+    return np.array([tree_of_first_token.setdefault(int(t[0]), len(tree_of_first_token)) for t in batch.tokens], dtype=np.int64)
+
+
+@attrs.define
+class _Table:
+    """A node table in columns ready for either file format."""
+
+    node_tree: list[int]
+    node_id: list[int]
+    node_parent: list[int | None]
+    node_tokens: list[np.ndarray]
+    node_fields: dict[str, list[np.ndarray]]
+    trajectory_tree: list[int]
+    trajectory_leaf: list[int]
+    trajectory_fields: dict[str, np.ndarray]
+    token_dtypes: dict[str, np.dtype]
+    trajectory_dtypes: dict[str, np.dtype]
+
+    def schema_record(self) -> dict[str, Any]:
+        return {
+            "kind": SCHEMA_KIND,
+            "version": SCHEMA_VERSION,
+            "token_fields": {name: dtype.str for name, dtype in self.token_dtypes.items()},
+            "trajectory_fields": {name: dtype.str for name, dtype in self.trajectory_dtypes.items()},
+        }
+
+
+def _build_table(batch: RolloutBatch) -> _Table:
+    batch.validate()
+    token_columns, trajectory_columns = _field_columns(batch)
+    token_dtypes: dict[str, np.dtype] = {}
+    field_values: dict[str, list[np.ndarray]] = {}
+    for name, column in token_columns.items():
+        arrays = batch.token_fields[name]
+        dtype = np.result_type(*(a.dtype for a in arrays))
+        if dtype.kind not in "biuf":
+            raise RolloutInputError(f"field '{name}': per-token values must be numeric, got dtype {dtype}")
+        token_dtypes[column] = dtype
+        field_values[column] = [np.ascontiguousarray(a, dtype=dtype) for a in arrays]
+    trajectory_dtypes = {}
+    for name in trajectory_columns:
+        values = np.asarray(batch.trajectory_fields[name])
+        if values.dtype.kind not in "biufU" or values.ndim != 1:
+            raise RolloutInputError(f"field '{name}': per-trajectory values must be scalars (numbers, booleans or strings)")
+        trajectory_dtypes[name] = values.dtype
+    for index, tokens in enumerate(batch.tokens):
+        if len(tokens) == 0:
+            raise RolloutInputError(f"trajectory {index}: empty trajectory; a trajectory needs at least one token")
+    tree_ids = _default_tree_ids(batch) if batch.tree_ids is None else np.asarray(batch.tree_ids, dtype=np.int64)
+    lengths = batch.lengths
+    comparable = [
+        [_comparable(np.asarray(batch.tokens[i], dtype=np.int64))] + [_comparable(field_values[c][i]) for c in field_values]
+        for i in range(len(batch))
+    ]
+    members: dict[int, list[int]] = {}
+    for index, tree in enumerate(tree_ids.tolist()):
+        members.setdefault(tree, []).append(index)
+
+    table = _Table([], [], [], [], {c: [] for c in field_values}, [], [], {}, token_dtypes, trajectory_dtypes)
+    leaf_of = np.zeros(len(batch), dtype=np.int64)
+    for tree, tree_members in members.items():
+        root = _radix_forest(tree_members, comparable, lengths)
+        stack: list[tuple[_RadixNode, int | None]] = [(child, None) for child in reversed(root.children.values())]
+        next_id = 0
+        while stack:
+            node, parent = stack.pop()
+            node_id, next_id = next_id, next_id + 1
+            table.node_tree.append(tree)
+            table.node_id.append(node_id)
+            table.node_parent.append(parent)
+            table.node_tokens.append(batch.tokens[node.owner][node.start:node.end])
+            for column, values in field_values.items():
+                table.node_fields[column].append(values[node.owner][node.start:node.end])
+            for trajectory in node.ending:
+                leaf_of[trajectory] = node_id
+            stack.extend((child, node_id) for child in reversed(node.children.values()))
+    table.trajectory_tree = tree_ids.tolist()
+    table.trajectory_leaf = leaf_of.tolist()
+    table.trajectory_fields = {name: np.asarray(batch.trajectory_fields[name]) for name in trajectory_columns}
+    return table
+
+
+def _plain(value: Any) -> Any:
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def node_table_records(batch: RolloutBatch) -> list[dict[str, Any]]:
+    """The node-table rows of a batch (schema row first), as plain Python values."""
+    table = _build_table(batch)
+    records: list[dict[str, Any]] = [table.schema_record()]
+    for i in range(len(table.node_id)):
+        record: dict[str, Any] = {
+            "kind": NODE_KIND,
+            "tree_id": table.node_tree[i],
+            "node_id": table.node_id[i],
+            "parent_id": table.node_parent[i],
+            "token_ids": table.node_tokens[i].tolist(),
+        }
+        record.update({column: values[i].tolist() for column, values in table.node_fields.items()})
+        records.append(record)
+    for index in range(len(table.trajectory_tree)):
+        record = {
+            "kind": TRAJECTORY_KIND,
+            "tree_id": table.trajectory_tree[index],
+            "leaf": table.trajectory_leaf[index],
+            "trajectory_id": index,
+        }
+        record.update({name: _plain(values[index]) for name, values in table.trajectory_fields.items()})
+        records.append(record)
+    return records
+
+
+def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(handle)
+    temporary_path = Path(temporary)
+    try:
+        write(temporary_path)
+        with temporary_path.open("rb+") as written:
+            os.fsync(written.fileno())
+        # mkstemp creates the file private (0600); give it the permissions a plain open would.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary_path, 0o666 & ~umask)
+        os.replace(temporary_path, path)
+    except BaseException:
+        temporary_path.unlink(missing_ok=True)
+        raise
+    try:
+        directory = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(directory)
+    except OSError:
+        pass
+    finally:
+        os.close(directory)
+
+
+def _write_jsonl(records: list[dict[str, Any]], path: Path) -> None:
+    with path.open("w", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record, separators=(",", ":")))
+            handle.write("\n")
+
+
+def _list_array(arrays: Sequence[np.ndarray | None], dtype: np.dtype):
+    import pyarrow as pa
+
+    lengths = np.array([0 if a is None else len(a) for a in arrays], dtype=np.int64)
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    present = [a for a in arrays if a is not None]
+    values = np.concatenate(present).astype(dtype, copy=False) if present else np.empty(0, dtype=dtype)
+    mask = pa.array(np.array([a is None for a in arrays], dtype=bool))
+    if offsets[-1] < 2**31:
+        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values), mask=mask)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values), mask=mask)
+
+
+def _write_parquet(table: _Table, path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    node_count, trajectory_count = len(table.node_id), len(table.trajectory_tree)
+    no_nodes: list[None] = [None] * node_count
+    no_trajectories: list[None] = [None] * trajectory_count
+    columns = {
+        "kind": pa.array([NODE_KIND] * node_count + [TRAJECTORY_KIND] * trajectory_count, type=pa.string()),
+        "tree_id": pa.array(table.node_tree + table.trajectory_tree, type=pa.int64()),
+        "node_id": pa.array(table.node_id + no_trajectories, type=pa.int64()),
+        "parent_id": pa.array(table.node_parent + no_trajectories, type=pa.int64()),
+        "token_ids": _list_array(table.node_tokens + no_trajectories, np.dtype(np.int64)),
+    }
+    for column, values in table.node_fields.items():
+        columns[column] = _list_array(values + no_trajectories, table.token_dtypes[column])
+    columns["leaf"] = pa.array(no_nodes + table.trajectory_leaf, type=pa.int64())
+    columns["trajectory_id"] = pa.array(no_nodes + list(range(trajectory_count)), type=pa.int64())
+    for name, values in table.trajectory_fields.items():
+        arrow_type = pa.string() if values.dtype.kind == "U" else pa.from_numpy_dtype(values.dtype)
+        columns[name] = pa.array(no_nodes + [_plain(v) for v in values], type=arrow_type)
+    arrow_table = pa.table(columns)
+    schema = table.schema_record()
+    del schema["kind"]
+    arrow_table = arrow_table.replace_schema_metadata({PARQUET_SCHEMA_KEY: json.dumps(schema).encode()})
+    pq.write_table(arrow_table, path)
+
+
+def write_node_table(batch: RolloutBatch, path: str | os.PathLike[str]) -> None:
+    """Write ``batch`` as a node table (format from the suffix); ``read_node_table`` gives it back exactly.
+
+    Each tree's nodes form the radix forest of its trajectories, keyed per position by the
+    token and every per-token field value, so positions whose metadata differ between
+    trajectories go to separate nodes. Trajectory rows carry ``trajectory_id`` = batch index.
+    """
+    path = Path(path)
+    suffix = _suffix(path)
+    if suffix == ".jsonl":
+        records = node_table_records(batch)
+        _atomic_write(path, lambda target: _write_jsonl(records, target))
+    else:
+        table = _build_table(batch)
+        _atomic_write(path, lambda target: _write_parquet(table, target))
+    logger.debug("wrote node table %s (%d trajectories)", path, len(batch))

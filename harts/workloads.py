@@ -1,0 +1,507 @@
+"""Synthetic rollout batches: an agentic SWE-like training step, and a small bundled demo.
+
+``swe_like_step`` imitates one step of the agentic SWE workload (paper §5): about a
+hundred task trees that share one system prompt, each a multi-turn agent interaction that
+forks repeatedly (retries, parallel exploration) at turn boundaries and inside turns.
+Everything is deterministic from a seed; token arrays are built with NumPy and shared
+prefixes are shared arrays until the final concatenation.
+
+``demo_batch`` reads the small bundled node table ``harts/data/demo_rollouts.jsonl``,
+which is the output of ``make_demo_batch()`` written with :func:`harts.io.write_node_table`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import importlib.resources
+import logging
+import os
+from pathlib import Path
+
+import attrs
+import numpy as np
+
+from harts.batch import RolloutBatch
+from harts.errors import RolloutInputError
+from harts.io import SUFFIXES, read_node_table
+
+logger = logging.getLogger(__name__)
+
+#: Every generated trajectory is at most this long (one microbatch of capacity 65,536 holds it).
+MAX_TRAJECTORY_TOKENS = 65_535
+DEMO_RESOURCE = "demo_rollouts.jsonl"
+PRESETS = ("demo", "swe-like")
+
+PROMPT, ASSISTANT, TOOL = 0, 1, 2
+
+
+def grpo_advantages(rewards: np.ndarray, groups: np.ndarray, epsilon: float = 1e-6) -> np.ndarray:
+    """GRPO advantages: each reward minus its group's mean, over the group's std plus ``epsilon``."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    groups = np.asarray(groups)
+    advantages = np.zeros_like(rewards)
+    for group in np.unique(groups):
+        members = groups == group
+        values = rewards[members]
+        advantages[members] = (values - values.mean()) / (values.std() + epsilon)
+    return advantages
+
+
+# ----------------------------------------------------------------------------- SWE-like
+
+
+@attrs.frozen
+class SweLikeShape:
+    """Knobs of the SWE-like generator at scale 1 (token counts scale with ``scale``)."""
+
+    tasks: int = 100
+    system_prompt_tokens: tuple[int, int] = (2_000, 4_000)
+    task_prompt_tokens: tuple[int, int] = (1_500, 6_000)
+    assistant_turn_tokens: tuple[int, int] = (50, 800)
+    assistant_turn_median: float = 220.0
+    tool_turn_tokens: tuple[int, int] = (100, 4_000)
+    tool_turn_median: float = 700.0
+    paths_median: float = 12.0
+    paths_sigma: float = 0.75
+    max_paths: int = 64
+    horizon_median: float = 20_000.0
+    horizon_sigma: float = 0.6
+    horizon_tokens: tuple[int, int] = (3_000, 58_000)
+    # Forks come late more often than early: retries and parallel attempts near the end.
+    fork_beta: tuple[float, float] = (4.2, 0.9)
+    continuation_sigma: float = 0.6
+
+
+@attrs.define
+class _Path:
+    """One trajectory under construction: token pieces (shared arrays) and its turn layout."""
+
+    pieces: list[np.ndarray]
+    piece_roles: list[int]
+    turn_starts: list[int]
+    turn_ends: list[int]
+    turn_roles: list[int]
+    length: int
+    prompt_end: int
+
+    def prefix(self, position: int) -> "_Path":
+        """The first ``position`` tokens; a turn cut in the middle keeps its role."""
+        pieces, roles, offset = [], [], 0
+        for piece, role in zip(self.pieces, self.piece_roles):
+            if offset >= position:
+                break
+            take = min(len(piece), position - offset)
+            pieces.append(piece if take == len(piece) else piece[:take])
+            roles.append(role)
+            offset += take
+        count = bisect.bisect_left(self.turn_starts, position)
+        ends = self.turn_ends[:count]
+        if ends:
+            ends[-1] = min(ends[-1], position)
+        return _Path(pieces, roles, self.turn_starts[:count], ends, self.turn_roles[:count], position, self.prompt_end)
+
+    def token_at(self, position: int) -> int:
+        offset = 0
+        for piece in self.pieces:
+            if position < offset + len(piece):
+                return int(piece[position - offset])
+            offset += len(piece)
+        raise IndexError(position)
+
+
+class _SweLikeGenerator:
+    def __init__(self, rng: np.random.Generator, scale: float, vocab_size: int, shape: SweLikeShape):
+        self.rng, self.scale, self.vocab_size, self.shape = rng, scale, vocab_size, shape
+
+    def _scaled(self, bounds: tuple[int, int]) -> tuple[int, int]:
+        low = max(1, round(bounds[0] * self.scale))
+        return low, max(low, round(bounds[1] * self.scale))
+
+    def _uniform_length(self, bounds: tuple[int, int]) -> int:
+        low, high = self._scaled(bounds)
+        return int(self.rng.integers(low, high + 1))
+
+    def _turn_length(self, role: int) -> int:
+        shape = self.shape
+        bounds, median = (
+            (shape.assistant_turn_tokens, shape.assistant_turn_median)
+            if role == ASSISTANT
+            else (shape.tool_turn_tokens, shape.tool_turn_median)
+        )
+        low, high = self._scaled(bounds)
+        drawn = median * self.scale * self.rng.lognormal(0.0, 0.8)
+        return int(np.clip(round(drawn), low, high))
+
+    def _tokens(self, count: int) -> np.ndarray:
+        return self.rng.integers(0, self.vocab_size, size=count, dtype=np.int64)
+
+    def _append_turn(self, path: _Path, role: int, length: int, avoid_first: int | None = None) -> None:
+        length = min(length, MAX_TRAJECTORY_TOKENS - path.length)
+        if length <= 0:
+            return
+        tokens = self._tokens(length)
+        if avoid_first is not None and tokens[0] == avoid_first:
+            tokens[0] = (avoid_first + 1) % self.vocab_size
+        path.pieces.append(tokens)
+        path.piece_roles.append(role)
+        path.turn_starts.append(path.length)
+        path.turn_ends.append(path.length + length)
+        path.turn_roles.append(role)
+        path.length += length
+
+    def _extend_turn(self, path: _Path, extra: int, avoid_first: int | None) -> None:
+        """Continue the last (cut) turn with ``extra`` fresh tokens of its role."""
+        extra = min(extra, MAX_TRAJECTORY_TOKENS - path.length)
+        if extra <= 0:
+            return
+        tokens = self._tokens(extra)
+        if avoid_first is not None and tokens[0] == avoid_first:
+            tokens[0] = (avoid_first + 1) % self.vocab_size
+        path.pieces.append(tokens)
+        path.piece_roles.append(path.turn_roles[-1])
+        path.turn_ends[-1] += extra
+        path.length += extra
+
+    def _continue(self, path: _Path, target: float, next_role: int, avoid_first: int | None = None) -> None:
+        """Alternate assistant and tool turns until ``target`` tokens, ending on an assistant turn."""
+        role = next_role
+        while path.length < MAX_TRAJECTORY_TOKENS:
+            if path.length >= target and path.turn_roles[-1] == ASSISTANT:
+                break
+            self._append_turn(path, role, self._turn_length(role), avoid_first)
+            avoid_first = None
+            role = TOOL if role == ASSISTANT else ASSISTANT
+
+    def _fork(self, parent: _Path) -> tuple[_Path, int, int | None]:
+        """Pick a fork position on ``parent``; return the shared prefix, the role that continues, the token to avoid."""
+        rng, shape = self.rng, self.shape
+        span = parent.length - parent.prompt_end
+        position = parent.prompt_end + int(rng.beta(*shape.fork_beta) * span)
+        position = min(position, parent.length)
+        kind = rng.random()
+        turn = bisect.bisect_right(parent.turn_starts, position) - 1
+        if kind < 0.03:
+            position = parent.length  # the parent becomes a prefix of the child
+        elif kind < 0.50:
+            # a turn boundary: the start of the assistant turn at or after ``position``
+            while turn < len(parent.turn_roles) and parent.turn_roles[turn] != ASSISTANT:
+                turn += 1
+            position = parent.turn_starts[turn] if turn < len(parent.turn_roles) else parent.length
+        elif kind < 0.92:
+            # inside an assistant turn: resampling diverges mid-turn
+            while turn < len(parent.turn_roles) and parent.turn_roles[turn] != ASSISTANT:
+                turn += 1
+            if turn < len(parent.turn_roles):
+                start, end = parent.turn_starts[turn], parent.turn_ends[turn]
+                if not start < position < end:
+                    position = int(rng.integers(start + 1, end)) if end - start > 1 else start
+            else:
+                position = parent.length
+        # otherwise anywhere, tool output included (a nondeterministic environment)
+        position = max(position, parent.prompt_end)
+        child = parent.prefix(position)
+        avoid = parent.token_at(position) if position < parent.length else None
+        if position == parent.length:
+            return child, TOOL, avoid
+        turn = bisect.bisect_right(parent.turn_starts, position) - 1
+        role = parent.turn_roles[turn]
+        if parent.turn_starts[turn] == position:
+            return child, role, avoid
+        # Mid-turn: the cut turn continues with fresh tokens before the next turn starts.
+        done = position - parent.turn_starts[turn]
+        extra = max(1, self._turn_length(role) - done) if role != PROMPT else 1
+        self._extend_turn(child, extra, avoid)
+        return child, TOOL if role == ASSISTANT else ASSISTANT, None
+
+    def task(self, system_prompt: np.ndarray) -> list[_Path]:
+        rng, shape = self.rng, self.shape
+        task_prompt = self._tokens(self._uniform_length(shape.task_prompt_tokens))
+        prompt = [system_prompt, task_prompt]
+        prompt_end = len(system_prompt) + len(task_prompt)
+        root = _Path(prompt, [PROMPT, PROMPT], [0], [prompt_end], [PROMPT], prompt_end, prompt_end)
+        low, high = self._scaled(shape.horizon_tokens)
+        horizon = float(np.clip(shape.horizon_median * self.scale * rng.lognormal(0.0, shape.horizon_sigma), low, high))
+        count = int(np.clip(round(rng.lognormal(np.log(shape.paths_median), shape.paths_sigma)), 1, shape.max_paths))
+        paths: list[_Path] = []
+        first = root.prefix(prompt_end)
+        self._continue(first, horizon * rng.uniform(0.7, 1.3), ASSISTANT)
+        paths.append(first)
+        while len(paths) < count:
+            parent = paths[int(rng.integers(len(paths)))]
+            child, next_role, avoid = self._fork(parent)
+            remaining = max(parent.length - child.length, 1)
+            target = child.length + remaining * rng.lognormal(-shape.continuation_sigma**2 / 2, shape.continuation_sigma)
+            self._continue(child, min(target, high * 1.05), next_role, avoid)
+            paths.append(child)
+        return paths
+
+
+def _path_arrays(path: _Path) -> tuple[np.ndarray, np.ndarray]:
+    tokens = np.concatenate(path.pieces)
+    lengths = np.fromiter((len(p) for p in path.pieces), dtype=np.int64, count=len(path.pieces))
+    roles = np.asarray(path.piece_roles)
+    loss_mask = np.repeat((roles == ASSISTANT).astype(np.float32), lengths)
+    return tokens, loss_mask
+
+
+def swe_like_step(seed: int = 0, scale: float = 1.0, vocab_size: int = 151_000) -> RolloutBatch:
+    """One synthetic agentic-SWE training step (about 1.5k paths, 40M tokens, 5.6x sharing at scale 1).
+
+    ``scale`` multiplies every token length and the number of tasks (at least one task).
+    Fields: ``loss_mask`` (1 on assistant tokens), ``group_id`` (the task), ``reward``
+    (0/1), ``advantage`` (GRPO within the task's group).
+    """
+    if not scale > 0:
+        raise RolloutInputError(f"swe-like: option 'scale' must be positive, got {scale!r}")
+    if vocab_size < 2:
+        raise RolloutInputError(f"swe-like: option 'vocab_size' must be at least 2, got {vocab_size!r}")
+    shape = SweLikeShape()
+    rng = np.random.default_rng(seed)
+    generator = _SweLikeGenerator(rng, scale, vocab_size, shape)
+    system_prompt = generator._tokens(generator._uniform_length(shape.system_prompt_tokens))
+    tasks = max(1, round(shape.tasks * scale))
+    tokens, masks, groups, rewards = [], [], [], []
+    for task in range(tasks):
+        success = rng.beta(1.2, 1.8)
+        for path in generator.task(system_prompt):
+            path_tokens, loss_mask = _path_arrays(path)
+            tokens.append(path_tokens)
+            masks.append(loss_mask)
+            groups.append(task)
+            rewards.append(float(rng.random() < success))
+    groups_array = np.asarray(groups, dtype=np.int64)
+    rewards_array = np.asarray(rewards, dtype=np.float64)
+    batch = RolloutBatch(
+        tokens=tuple(tokens),
+        token_fields={"loss_mask": tuple(masks)},
+        trajectory_fields={
+            "group_id": groups_array,
+            "reward": rewards_array,
+            "advantage": grpo_advantages(rewards_array, groups_array),
+        },
+        tree_ids=groups_array.copy(),
+    )
+    batch.validate()
+    logger.debug("swe-like step seed=%d scale=%g: %d tasks, %d paths, %d tokens", seed, scale, tasks, len(batch), batch.semantic_tokens)
+    return batch
+
+
+def swe_like_steps(count: int = 10, scale: float = 1.0) -> list[RolloutBatch]:
+    """``count`` SWE-like steps, for seeds 1..count."""
+    return [swe_like_step(seed=seed, scale=scale) for seed in range(1, count + 1)]
+
+
+# ----------------------------------------------------------------------------- demo
+
+_DEMO_VOCAB = 1000
+_DEMO_SYSTEM_PROMPT = 40
+
+
+class _DemoTree:
+    """Trajectories of one demo tree grown by forking: tokens, loss mask and rollout log-probs."""
+
+    def __init__(self, rng: np.random.Generator, prompt: np.ndarray):
+        self.rng = rng
+        self.prompt = prompt
+        self.tokens: list[np.ndarray] = []
+        self.masks: list[np.ndarray] = []
+        self.logprobs: list[np.ndarray] = []
+
+    def _fresh(self, count: int, first_role: int, avoid_first: int | None) -> tuple[np.ndarray, np.ndarray]:
+        tokens = self.rng.integers(10, _DEMO_VOCAB, size=count, dtype=np.int64)
+        if avoid_first is not None and count and tokens[0] == avoid_first:
+            tokens[0] = 10 + (avoid_first - 9) % (_DEMO_VOCAB - 10)
+        roles = np.empty(count, dtype=np.float32)
+        position, role = 0, first_role
+        while position < count:
+            turn = int(self.rng.integers(8, 40))
+            roles[position:position + turn] = 1.0 if role == ASSISTANT else 0.0
+            position += turn
+            role = TOOL if role == ASSISTANT else ASSISTANT
+        return tokens, roles
+
+    def _add(self, tokens: np.ndarray, mask: np.ndarray) -> int:
+        # Rollout log-probs exist for sampled (assistant) tokens; multiples of 1/256 keep the JSON short.
+        steps = self.rng.integers(0, 1024, size=len(tokens))
+        logprobs = np.where(mask > 0, -steps / 256.0, 0.0).astype(np.float32)
+        self.tokens.append(tokens)
+        self.masks.append(mask)
+        self.logprobs.append(logprobs)
+        return len(self.tokens) - 1
+
+    def trunk(self, length: int) -> int:
+        tokens, mask = self._fresh(length - len(self.prompt), ASSISTANT, None)
+        return self._add(np.concatenate([self.prompt, tokens]), np.concatenate([np.zeros(len(self.prompt), np.float32), mask]))
+
+    def fork(self, parent: int, position: int, length: int) -> int:
+        """A trajectory sharing ``parent``'s first ``position`` tokens (and their metadata), then fresh tokens."""
+        base_tokens, base_mask, base_logprobs = self.tokens[parent], self.masks[parent], self.logprobs[parent]
+        avoid = int(base_tokens[position]) if position < len(base_tokens) else None
+        role = ASSISTANT if position < len(base_mask) and base_mask[position] > 0 else TOOL
+        tokens, mask = self._fresh(length - position, role, avoid)
+        index = self._add(np.concatenate([base_tokens[:position], tokens]), np.concatenate([base_mask[:position], mask]))
+        self.logprobs[index][:position] = base_logprobs[:position]
+        return index
+
+    def prefix(self, parent: int, length: int) -> int:
+        """A trajectory that is the first ``length`` tokens of ``parent``."""
+        index = self._add(self.tokens[parent][:length].copy(), self.masks[parent][:length].copy())
+        self.logprobs[index][:] = self.logprobs[parent][:length]
+        return index
+
+
+def make_demo_batch(seed: int = 0) -> RolloutBatch:
+    """The bundled demo: 6 small trees, 39 trajectories, forks around chunk boundaries of 64.
+
+    Trees 0 and 1 share a system prompt. Tree 0 forks at 63, 64, 65, 127 and 128 and holds a
+    trajectory that is a prefix of another; tree 1 forks five times inside the chunk
+    [64, 128); tree 2 has a trajectory whose loss mask differs on a shared prefix; tree 3 is
+    a single path; tree 4 is a deep chain of nested forks; tree 5 fans out at 191, 192, 193.
+    """
+    rng = np.random.default_rng(seed)
+    system_prompt = rng.integers(10, _DEMO_VOCAB, size=_DEMO_SYSTEM_PROMPT, dtype=np.int64)
+    used_first_tokens = {int(system_prompt[0])}
+
+    def own_prompt(length: int) -> np.ndarray:
+        while True:
+            prompt = rng.integers(10, _DEMO_VOCAB, size=length, dtype=np.int64)
+            if int(prompt[0]) not in used_first_tokens:
+                used_first_tokens.add(int(prompt[0]))
+                return prompt
+
+    trees: list[_DemoTree] = []
+
+    tree = _DemoTree(rng, np.concatenate([system_prompt, rng.integers(10, _DEMO_VOCAB, size=10, dtype=np.int64)]))
+    trunk = tree.trunk(300)
+    for position, length in ((63, 180), (64, 240), (65, 400), (127, 260), (128, 150)):
+        tree.fork(trunk, position, length)
+    tree.prefix(trunk, 200)
+    trees.append(tree)
+
+    tree = _DemoTree(rng, np.concatenate([system_prompt, rng.integers(10, _DEMO_VOCAB, size=30, dtype=np.int64)]))
+    trunk = tree.trunk(260)
+    branches = [tree.fork(trunk, position, length) for position, length in ((70, 200), (75, 320), (81, 140), (90, 220), (101, 310))]
+    tree.fork(branches[1], 250, 330)
+    trees.append(tree)
+
+    tree = _DemoTree(rng, own_prompt(50))
+    trunk = tree.trunk(220)
+    first = tree.fork(trunk, 100, 240)
+    tree.fork(first, 180, 290)
+    tree.fork(trunk, 150, 200)
+    second = tree.fork(first, 130, 230)
+    tree.fork(second, 190, 210)
+    # The same tokens as ``first`` but one assistant turn left out of the loss: shared
+    # positions with different metadata.
+    masked = tree.prefix(first, 240)
+    tree.masks[masked][110:140] = 0.0
+    trees.append(tree)
+
+    tree = _DemoTree(rng, own_prompt(20))
+    tree.trunk(45)
+    trees.append(tree)
+
+    tree = _DemoTree(rng, own_prompt(30))
+    chain = tree.trunk(120)
+    for position, length in ((60, 170), (130, 230), (190, 290), (255, 350), (320, 390)):
+        chain = tree.fork(chain, position, length)
+    trees.append(tree)
+
+    tree = _DemoTree(rng, own_prompt(40))
+    trunk = tree.trunk(280)
+    for position, length in ((191, 260), *(((192, 200 + 15 * k) for k in range(8))), (193, 300)):
+        tree.fork(trunk, position, length)
+    trees.append(tree)
+
+    tokens, masks, logprobs, tree_ids = [], [], [], []
+    for tree_index, tree in enumerate(trees):
+        tokens.extend(tree.tokens)
+        masks.extend(tree.masks)
+        logprobs.extend(tree.logprobs)
+        tree_ids.extend([tree_index] * len(tree.tokens))
+    tree_ids_array = np.asarray(tree_ids, dtype=np.int64)
+    rewards = (rng.random(len(tokens)) < 0.5).astype(np.float64)
+    batch = RolloutBatch(
+        tokens=tuple(tokens),
+        token_fields={"loss_mask": tuple(masks), "rollout_logprobs": tuple(logprobs)},
+        trajectory_fields={
+            "group_id": tree_ids_array.copy(),
+            "reward": rewards,
+            "advantage": grpo_advantages(rewards, tree_ids_array),
+        },
+        tree_ids=tree_ids_array,
+    )
+    batch.validate()
+    return batch
+
+
+def demo_batch() -> RolloutBatch:
+    """The bundled demo batch (``harts/data/demo_rollouts.jsonl``)."""
+    resource = importlib.resources.files("harts.data").joinpath(DEMO_RESOURCE)
+    with importlib.resources.as_file(resource) as path:
+        return read_node_table(path)
+
+
+# ----------------------------------------------------------------------------- input specs
+
+_SWE_LIKE_OPTIONS = {"seed": int, "scale": float, "vocab_size": int}
+
+
+def _parse_options(preset: str, text: str, allowed: dict[str, type]) -> dict[str, object]:
+    options: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, separator, value = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not separator or name not in allowed:
+            known = ", ".join(allowed) or "none"
+            raise RolloutInputError(f"preset '{preset}': unknown option {item!r}; options: {known}")
+        try:
+            options[name] = allowed[name](value.strip())
+        except ValueError as error:
+            raise RolloutInputError(f"preset '{preset}': option '{name}' must be {allowed[name].__name__}, got {value!r}") from error
+    return options
+
+
+def resolve_input(spec: str | os.PathLike[str]) -> RolloutBatch:
+    """A batch from a node-table path (``.jsonl`` / ``.parquet``) or a preset.
+
+    Presets: ``demo``, ``swe-like`` and ``swe-like:seed=3,scale=0.1`` (options ``seed``,
+    ``scale``, ``vocab_size``).
+    """
+    text = os.fspath(spec)
+    preset, _, option_text = text.partition(":")
+    if preset == "demo":
+        _parse_options("demo", option_text, {})
+        return demo_batch()
+    if preset == "swe-like":
+        return swe_like_step(**_parse_options("swe-like", option_text, _SWE_LIKE_OPTIONS))
+    path = Path(text)
+    if path.suffix.lower() in SUFFIXES:
+        return read_node_table(path)
+    listing = ", ".join(PRESETS)
+    raise RolloutInputError(
+        f"input {text!r} is neither a node table ({', '.join(SUFFIXES)}) nor a preset; presets: {listing} "
+        "(e.g. 'swe-like:seed=3,scale=0.1')"
+    )
+
+
+def write_demo_data(path: str | os.PathLike[str] | None = None) -> Path:
+    """Regenerate the bundled demo node table from ``make_demo_batch()``."""
+    from harts.io import write_node_table
+
+    target = Path(path) if path is not None else Path(__file__).parent / "data" / DEMO_RESOURCE
+    write_node_table(make_demo_batch(), target)
+    return target
+
+
+__all__ = [
+    "MAX_TRAJECTORY_TOKENS",
+    "PRESETS",
+    "SweLikeShape",
+    "demo_batch",
+    "grpo_advantages",
+    "make_demo_batch",
+    "resolve_input",
+    "swe_like_step",
+    "swe_like_steps",
+]

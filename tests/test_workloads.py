@@ -1,0 +1,244 @@
+"""Workload generators: the SWE-like step, the bundled demo batch and input specs."""
+
+from __future__ import annotations
+
+import importlib.resources
+import time
+
+import numpy as np
+import pytest
+
+from harts import RolloutBatch
+from harts.errors import RolloutInputError
+from harts.io import write_node_table
+from harts.passes.prefix_compress import build_compact_trie, sorted_order_and_lcp
+from harts.workloads import (
+    MAX_TRAJECTORY_TOKENS,
+    demo_batch,
+    grpo_advantages,
+    make_demo_batch,
+    resolve_input,
+    swe_like_step,
+    swe_like_steps,
+)
+
+
+def lcp(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    mismatch = np.flatnonzero(a[:n] != b[:n])
+    return int(mismatch[0]) if mismatch.size else n
+
+
+def distinct_prefixes(tokens: tuple[np.ndarray, ...]) -> int:
+    """Brute-force compact token count: the number of distinct non-empty token prefixes."""
+    return len({t[: k + 1].tobytes() for t in tokens for k in range(len(t))})
+
+
+def runs(mask: np.ndarray, value: float) -> list[int]:
+    """Lengths of maximal runs of ``value`` in ``mask``."""
+    padded = np.concatenate([[False], mask == value, [False]]).astype(np.int8)
+    edges = np.flatnonzero(np.diff(padded))
+    return (edges[1::2] - edges[::2]).tolist()
+
+
+# ----------------------------------------------------------------------------- SWE-like
+
+
+@pytest.fixture(scope="module")
+def full_step() -> tuple[RolloutBatch, float]:
+    start = time.perf_counter()
+    batch = swe_like_step(0)
+    return batch, time.perf_counter() - start
+
+
+def test_full_scale_step_matches_the_paper_workload(full_step):
+    batch, seconds = full_step
+    raw = batch.semantic_tokens
+    compact = build_compact_trie(batch.tokens).compact_tokens
+    assert 1_200 <= len(batch) <= 1_900
+    assert 30e6 <= raw <= 50e6
+    assert 5.0 <= raw / compact <= 6.3
+    assert batch.lengths.max() < 65_536 and batch.lengths.max() <= MAX_TRAJECTORY_TOKENS
+    assert batch.lengths.min() < 10_000 and batch.lengths.max() > 50_000
+    assert seconds < 10.0
+    paths_per_task = np.bincount(batch.tree_ids)
+    assert 80 <= len(paths_per_task) <= 120
+    assert paths_per_task.min() <= 5 and paths_per_task.max() >= 40
+
+
+def test_full_scale_step_forks_around_chunk_boundaries(full_step):
+    batch, _ = full_step
+    _, lcps = sorted_order_and_lcp(batch.tokens)
+    residues = np.asarray(lcps) % 64
+    for residue in (63, 0, 1):
+        assert (residues == residue).sum() >= 5
+    # Forks also fall inside chunks, not only on turn boundaries.
+    assert len(set(residues.tolist())) == 64
+
+
+def test_full_scale_turn_lengths(full_step):
+    batch, _ = full_step
+    assistant, tool = [], []
+    for mask in batch.loss_mask[:300]:
+        assistant += runs(mask, 1.0)
+        tool += runs(mask, 0.0)[1:]  # the first run of zeros is the prompt
+    assistant, tool = np.asarray(assistant), np.asarray(tool)
+    assert assistant.max() <= 800 and np.mean(assistant >= 50) > 0.98
+    assert tool.max() <= 4_000 and np.mean(tool >= 100) > 0.98
+
+
+def test_small_step_structure():
+    batch = swe_like_step(seed=5, scale=0.05)
+    assert set(batch.token_fields) == {"loss_mask"}
+    assert set(batch.trajectory_fields) == {"group_id", "reward", "advantage"}
+    assert np.unique(batch.tree_ids).tolist() == list(range(5))
+    np.testing.assert_array_equal(batch.trajectory_fields["group_id"], batch.tree_ids)
+    rewards = batch.trajectory_fields["reward"]
+    assert set(rewards.tolist()) <= {0.0, 1.0}
+    for group in np.unique(batch.tree_ids):
+        members = batch.tree_ids == group
+        expected = (rewards[members] - rewards[members].mean()) / (rewards[members].std() + 1e-6)
+        np.testing.assert_allclose(batch.trajectory_fields["advantage"][members], expected)
+    for tokens, mask in zip(batch.tokens, batch.loss_mask):
+        assert tokens.dtype == np.int64 and tokens.min() >= 0 and tokens.max() < 151_000
+        assert mask.dtype == np.float32 and set(np.unique(mask).tolist()) <= {0.0, 1.0}
+        assert mask[0] == 0.0 and mask.any()
+    # One system prompt for every task; task prompts differ, so trees meet only there.
+    first = [np.flatnonzero(batch.tree_ids == tree)[0] for tree in range(5)]
+    system = {lcp(batch.tokens[a], batch.tokens[b]) for a in first for b in first if a != b}
+    assert len(system) == 1
+    system_length = system.pop()
+    assert 100 <= system_length <= 200
+    assert all(not m[:system_length].any() for m in batch.loss_mask)
+    for tree in range(5):
+        members = np.flatnonzero(batch.tree_ids == tree)
+        assert all(lcp(batch.tokens[members[0]], batch.tokens[i]) > system_length for i in members)
+
+
+def test_steps_are_deterministic_and_seeded():
+    a = swe_like_step(seed=7, scale=0.02)
+    b = swe_like_step(seed=7, scale=0.02)
+    assert a.content_hash() == b.content_hash()
+    assert swe_like_step(seed=8, scale=0.02).content_hash() != a.content_hash()
+    steps = swe_like_steps(count=2, scale=0.02)
+    assert [s.content_hash() for s in steps] == [swe_like_step(seed, scale=0.02).content_hash() for seed in (1, 2)]
+
+
+@pytest.mark.parametrize("scale", [0.001, 0.01])
+def test_tiny_scales_still_make_valid_batches(scale):
+    batch = swe_like_step(seed=1, scale=scale, vocab_size=50)
+    assert len(np.unique(batch.tree_ids)) == 1
+    assert batch.lengths.min() >= 1
+    assert max(int(t.max()) for t in batch.tokens) < 50
+    assert build_compact_trie(batch.tokens).compact_tokens == distinct_prefixes(batch.tokens)
+
+
+def test_bad_generator_options():
+    with pytest.raises(RolloutInputError, match="option 'scale' must be positive"):
+        swe_like_step(scale=0)
+    with pytest.raises(RolloutInputError, match="option 'vocab_size' must be at least 2"):
+        swe_like_step(vocab_size=1)
+
+
+def test_grpo_advantages_single_member_groups_are_zero():
+    advantages = grpo_advantages(np.array([1.0, 0.0, 1.0]), np.array([0, 1, 1]))
+    np.testing.assert_allclose(advantages, [0.0, -0.5 / (0.5 + 1e-6), 0.5 / (0.5 + 1e-6)])
+
+
+# ----------------------------------------------------------------------------- demo
+
+
+def test_bundled_demo_equals_its_generator(tmp_path):
+    generated = make_demo_batch()
+    bundled = demo_batch()
+    assert bundled.content_hash() == generated.content_hash()
+    resource = importlib.resources.files("harts.data").joinpath("demo_rollouts.jsonl")
+    rewritten = tmp_path / "demo_rollouts.jsonl"
+    write_node_table(generated, rewritten)
+    assert rewritten.read_bytes() == resource.read_bytes()
+    assert len(resource.read_bytes()) < 300_000
+
+
+def test_demo_shape():
+    batch = make_demo_batch()
+    assert len(np.unique(batch.tree_ids)) == 6
+    assert 30 <= len(batch) <= 40
+    assert batch.lengths.min() >= 40 and batch.lengths.max() <= 400
+    assert max(int(t.max()) for t in batch.tokens) < 1000
+    assert set(batch.token_fields) == {"loss_mask", "rollout_logprobs"}
+    assert set(batch.trajectory_fields) == {"group_id", "reward", "advantage"}
+
+    def tree(index):
+        return [batch.tokens[i] for i in np.flatnonzero(batch.tree_ids == index)]
+
+    def fork_points(trajectories):
+        return {lcp(a, b) for i, a in enumerate(trajectories) for b in trajectories[i + 1:]}
+
+    # Two trees share the system prompt; the others share nothing with anyone.
+    assert lcp(tree(0)[0], tree(1)[0]) >= 32
+    for other in range(2, 6):
+        assert all(lcp(tree(other)[0], tree(t)[0]) == 0 for t in range(6) if t != other)
+    assert {63, 64, 65, 127, 128} <= fork_points(tree(0))
+    in_one_chunk = [p for p in fork_points(tree(1)) if 64 < p < 128]
+    assert len(in_one_chunk) >= 4
+    assert {191, 192, 193} <= fork_points(tree(5))
+    prefix_pairs = [
+        (i, j)
+        for i, a in enumerate(batch.tokens)
+        for j, b in enumerate(batch.tokens)
+        if i != j and len(a) < len(b) and lcp(a, b) == len(a)
+    ]
+    assert prefix_pairs
+    # Same tokens with different loss masks at shared positions.
+    duplicates = [
+        (i, j)
+        for i, a in enumerate(batch.tokens)
+        for j, b in enumerate(batch.tokens)
+        if i < j and len(a) == len(b) and np.array_equal(a, b)
+    ]
+    assert any(not np.array_equal(batch.loss_mask[i], batch.loss_mask[j]) for i, j in duplicates)
+
+
+def test_demo_compact_tokens_match_brute_force():
+    batch = make_demo_batch()
+    compact = build_compact_trie(batch.tokens).compact_tokens
+    assert compact == distinct_prefixes(batch.tokens)
+    assert batch.semantic_tokens / compact > 1.5
+
+
+def test_demo_is_deterministic_per_seed():
+    assert make_demo_batch(0).content_hash() == make_demo_batch(0).content_hash()
+    assert make_demo_batch(1).content_hash() != make_demo_batch(0).content_hash()
+
+
+# ----------------------------------------------------------------------------- input specs
+
+
+def test_resolve_presets_and_paths(tmp_path):
+    assert resolve_input("demo").content_hash() == make_demo_batch().content_hash()
+    small = resolve_input("swe-like:seed=3,scale=0.01")
+    assert small.content_hash() == swe_like_step(seed=3, scale=0.01).content_hash()
+    assert resolve_input("swe-like: seed=3 , scale=0.01, vocab_size=100").content_hash() == swe_like_step(3, 0.01, 100).content_hash()
+    for suffix in (".jsonl", ".parquet"):
+        path = tmp_path / f"small{suffix}"
+        write_node_table(small, path)
+        assert resolve_input(str(path)).content_hash() == small.content_hash()
+        assert resolve_input(path).content_hash() == small.content_hash()
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("swe_like", "neither a node table (.jsonl, .parquet) nor a preset; presets: demo, swe-like"),
+        ("rollouts.csv", "presets: demo, swe-like"),
+        ("swe-like:seed=3,size=2", "preset 'swe-like': unknown option 'size=2'; options: seed, scale, vocab_size"),
+        ("swe-like:seed", "preset 'swe-like': unknown option 'seed'"),
+        ("swe-like:seed=x", "preset 'swe-like': option 'seed' must be int, got 'x'"),
+        ("demo:seed=1", "preset 'demo': unknown option 'seed=1'; options: none"),
+        ("missing.jsonl", "no such node-table file"),
+    ],
+)
+def test_resolve_errors(spec, message):
+    with pytest.raises(RolloutInputError) as error:
+        resolve_input(spec)
+    assert message in str(error.value)
