@@ -1,0 +1,173 @@
+"""The hybrid-attention language model that HARTS trains: :class:`HybridModel`.
+
+Rows in, rows out: the model sees C hidden rows (compact rows of a plan, or the packed
+positions of independent trajectories) and an :class:`~harts.runtime.view.ExecutionView`
+that tells the sequence operators how rows relate. Per block (pre-norm)::
+
+    x = x + mixer(input_layernorm(x), view)        # KDA / GDN / MHA / GQA / MLA
+    x = x + mlp(post_attention_layernorm(x))       # dense SwiGLU or MoE (weighted by view.row_weight)
+
+then ``hidden = norm(x)`` and ``logits = lm_head(hidden)``. ``recompute=True`` wraps each block
+in non-reentrant activation checkpointing, so backward re-executes the block from the same
+view. Module names follow the HF models (``embed_tokens``, ``layers.i.{linear_attn|self_attn}``,
+``layers.i.mlp``, ``layers.i.input_layernorm``, ``norm``, ``lm_head``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from harts.runtime.config import HybridConfig
+from harts.runtime.layers import (
+    MLP,
+    FullAttention,
+    GatedDeltaNet,
+    GatedRMSNorm,
+    KimiDeltaAttention,
+    KimiForgetGate,
+    MultiLatentAttention,
+    RMSNorm,
+    ShortConvolution,
+    compute_dtype,
+)
+from harts.runtime.moe import Experts, MoEStats, SparseMoeBlock, TopKRouter
+from harts.runtime.view import ExecutionView
+
+__all__ = ["DecoderLayer", "HybridModel"]
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block: token mixer (``linear_attn`` or ``self_attn``) and FFN (``mlp``)."""
+
+    def __init__(self, config: HybridConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
+        self.mlp_type = config.mlp_layer_types[layer_idx]
+        if self.layer_type == "linear":
+            self.linear_attn = KimiDeltaAttention(config) if config.linear == "kda" else GatedDeltaNet(config)
+        elif config.attention == "mla":
+            self.self_attn = MultiLatentAttention(config)
+        else:
+            self.self_attn = FullAttention(config)
+        if self.mlp_type == "moe":
+            self.mlp = SparseMoeBlock(config)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_zero_centered)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_zero_centered)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if self.layer_type == "linear" else self.self_attn
+
+    def forward(self, x: torch.Tensor, view: ExecutionView):
+        """x [C, D] -> (x [C, D], MoE statistics tuple or None)."""
+        x = x + self.mixer(self.input_layernorm(x), view)
+        normed = self.post_attention_layernorm(x)
+        if self.mlp_type == "moe":
+            update, stats = self.mlp(normed, view.row_weight)
+        else:
+            update, stats = self.mlp(normed), None
+        return x + update, stats
+
+
+class HybridModel(nn.Module):
+    """Decoder-only hybrid-attention LM built from a :class:`HybridConfig`."""
+
+    def __init__(self, config: HybridConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_zero_centered)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.reset_parameters()
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.to(config.torch_dtype)
+        # As the HF models do, router weights, expert biases and decay biases stay in at least float32.
+        keep = compute_dtype(config.torch_dtype)
+        for module in self.modules():
+            if isinstance(module, TopKRouter):
+                module.weight.data = module.weight.data.to(keep)
+                if module.e_score_correction_bias is not None:
+                    module.e_score_correction_bias = module.e_score_correction_bias.to(keep)
+            elif isinstance(module, KimiForgetGate):
+                module.dt_bias.data = module.dt_bias.data.to(keep)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """HF-style initialisation: normal(0, initializer_range) for projections, embeddings, experts and routers."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.normal_(0.0, std)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.Embedding):
+                module.weight.normal_(0.0, std)
+            elif isinstance(module, (RMSNorm, GatedRMSNorm, ShortConvolution)):
+                module.reset_parameters()
+            elif isinstance(module, (GatedDeltaNet, KimiForgetGate)):
+                module.reset_special_parameters()
+            elif isinstance(module, Experts):
+                module.gate_up_proj.normal_(0.0, std)
+                module.down_proj.normal_(0.0, std)
+            elif isinstance(module, TopKRouter):
+                module.weight.normal_(0.0, std)
+                if module.e_score_correction_bias is not None:
+                    module.e_score_correction_bias.zero_()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [C] -> [C, D]."""
+        return self.embed_tokens(input_ids)
+
+    def forward_hidden(
+        self, input_ids: torch.Tensor, view: ExecutionView, *, recompute: bool = False
+    ) -> tuple[torch.Tensor, MoEStats]:
+        """input_ids [C] -> (hidden [C, D] after the final norm, MoE statistics weighted by view.row_weight)."""
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be 1-D [C], got shape {tuple(input_ids.shape)}")
+        if input_ids.shape[0] != view.num_rows:
+            raise ValueError(f"input_ids has {input_ids.shape[0]} rows but the view has {view.num_rows}")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            raise ValueError(
+                f"input_ids must lie in [0, {self.config.vocab_size}); got range "
+                f"[{int(input_ids.min())}, {int(input_ids.max())}]"
+            )
+        x = self.embed(input_ids)
+        per_layer = []
+        for layer in self.layers:
+            if recompute and torch.is_grad_enabled():
+                x, stats = checkpoint(layer, x, view, use_reentrant=False)
+            else:
+                x, stats = layer(x, view)
+            if stats is not None:
+                per_layer.append(stats)
+        routed_rows = view.num_rows if per_layer else 0
+        aux = MoEStats.stack(
+            per_layer, routed_rows, self.config.num_experts, device=x.device, dtype=compute_dtype(x.dtype)
+        )
+        return self.norm(x), aux
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [C, D] -> logits [C, V]."""
+        return self.lm_head(hidden)
+
+    def forward(
+        self, input_ids: torch.Tensor, view: ExecutionView, *, recompute: bool = False
+    ) -> tuple[torch.Tensor, MoEStats]:
+        """input_ids [C] -> (logits [C, V], MoE statistics)."""
+        hidden, aux = self.forward_hidden(input_ids, view, recompute=recompute)
+        return self.logits(hidden), aux
