@@ -37,7 +37,7 @@ def _fail(error: Exception) -> None:
 
 def _format(value) -> str:
     if isinstance(value, float):
-        return f"{value:.4f}"
+        return f"{value:.3e}" if value != 0 and abs(value) < 1e-3 else f"{value:.4f}"
     return "-" if value is None else str(value)
 
 
@@ -132,6 +132,32 @@ def passes_command() -> None:
         table.add_row(name, str(pass_class.requires), str(pass_class.produces), pass_class.summary)
     Console().print(table)
     Console().print("default pipeline: " + ",".join(harts.DEFAULT_PIPELINE))
+
+
+@app.command("run")
+def run_command(
+    input: str = typer.Argument("demo", help="Rollout batch: node table or preset (default: the bundled demo batch)."),
+    preset: str = typer.Option("tiny", "--preset", help="Model preset."),
+    chunk_size: int = typer.Option(16, "--chunk-size", help="Linear-attention chunk size B."),
+    capacity: int = typer.Option(4096, "--capacity", help="Microbatch capacity T in compact tokens."),
+    dp: int = typer.Option(1, "--dp", help="Data-parallel degree D."),
+    repeats: int = typer.Option(3, "--repeats", help="Timed repetitions of each step (after one warm-up)."),
+    recompute: bool = typer.Option(True, "--recompute/--no-recompute", help="Full-layer activation recomputation."),
+    as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
+) -> None:
+    """The main job: compile a batch, run one GRPO step with HARTS and the baseline, print the figures."""
+    from harts.demo import run_demo
+
+    try:
+        with console.status("compiling and running one GRPO step in both modes"):
+            figures = run_demo(input, preset=preset, chunk_size=chunk_size, capacity=capacity, dp_size=dp,
+                               repeats=repeats, recompute=recompute)
+    except HartsError as error:
+        _fail(error)
+    if as_json:
+        sys.stdout.write(json.dumps(figures, indent=2) + "\n")
+        return
+    print_stats(figures, title="HARTS vs trajectory-wise baseline, one GRPO step")
 
 
 if __name__ == "__main__":  # pragma: no cover

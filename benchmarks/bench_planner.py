@@ -1,0 +1,257 @@
+"""Tables 2 and 3 of §5.2: HARTS microbatch planning against the OR-Tools planning baseline.
+
+For each generated SWE-like step (seeds 1..steps) and each DP degree D:
+  * HARTS: the ``partition-microbatches`` and ``schedule-slots`` passes on the compressed
+    module (timed together, best of ``--repeats`` runs; the prefix index is built inside);
+  * OR-Tools: ``benchmarks/ortools_baseline.py`` on the same compressed module.
+Planning times exclude batch generation and prefix-compress (reported separately).
+
+    python benchmarks/bench_planner.py                       # 10 steps, scale 1.0, D = 2 4 8
+    python benchmarks/bench_planner.py --steps 3 --scale 0.3 --dp 2 4
+    python benchmarks/bench_planner.py --update-results benchmarks/RESULTS.md --notes NOTES.md
+    python benchmarks/bench_planner.py --from-json run.json   # re-render an earlier --json run
+
+Table 2 is reported for ``--table2-dp`` (default 4); Table 3 for every D in ``--dp``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.ortools_baseline import ortools_plan  # noqa: E402
+from harts.ir.verify_plan import verify_scheduled  # noqa: E402
+from harts.passes.base import PassContext  # noqa: E402
+from harts.passes.lower import lower  # noqa: E402
+from harts.passes.partition_microbatches import PartitionMicrobatches  # noqa: E402
+from harts.passes.prefix_compress import PrefixCompress  # noqa: E402
+from harts.passes.schedule_slots import ScheduleSlots  # noqa: E402
+from harts.ir.prefix_index import PrefixIndex  # noqa: E402
+from harts.planner import PlannerOptions, objective, plan, slot_imbalances, step_imbalance  # noqa: E402
+from harts.workloads import swe_like_step  # noqa: E402
+
+SECTION = "## Microbatch planning (Tables 2-3)"
+_RUN_ARGS = ("steps", "scale", "dp", "table2_dp", "capacity", "time_limit", "workers", "repeats")
+logger = logging.getLogger("bench_planner")
+
+
+def plan_harts(module, repeats: int):
+    """Run both passes ``repeats`` times; median wall and CPU seconds."""
+    walls, cpus = [], []
+    for _ in range(repeats):
+        wall_start, cpu_start = time.perf_counter(), time.process_time()
+        partitioned = PartitionMicrobatches().run(module, PartitionMicrobatches.Options(), PassContext())
+        scheduled = ScheduleSlots().run(partitioned, ScheduleSlots.Options(), PassContext())
+        walls.append(time.perf_counter() - wall_start)
+        cpus.append(time.process_time() - cpu_start)
+    return scheduled, statistics.median(walls), statistics.median(cpus)
+
+
+def plan_paper_only(module):
+    """The paper's candidate set alone (no re-cut merges, no piece greedy), for comparison."""
+    started = time.perf_counter()
+    result = plan(PrefixIndex.from_module(module), PlannerOptions(capacity=module.capacity, dp_size=module.dp_size, extended=False))
+    return result, time.perf_counter() - started
+
+
+def run(args) -> dict:
+    rows = []
+    for seed in range(1, args.steps + 1):
+        started = time.perf_counter()
+        batch = swe_like_step(seed=seed, scale=args.scale)
+        generate_seconds = time.perf_counter() - started
+        base = lower(batch, capacity=args.capacity, dp_size=1)
+        started = time.perf_counter()
+        compressed = PrefixCompress().run(base, PrefixCompress.Options(), PassContext(batch=batch))
+        compress_seconds = time.perf_counter() - started
+        step = {
+            "seed": seed,
+            "paths": len(batch),
+            "raw_tokens": int(batch.semantic_tokens),
+            "lower_bound": compressed.trie.compact_tokens,
+            "generate_seconds": generate_seconds,
+            "compress_seconds": compress_seconds,
+            "per_dp": {},
+        }
+        for dp_size in args.dp:
+            module = attrs.evolve(compressed, dp_size=dp_size)
+            scheduled, harts_seconds, harts_cpu = plan_harts(module, args.repeats)
+            verify_scheduled(scheduled)
+            mbs = scheduled.microbatches
+            works = [mb.work for mb in mbs]
+            replicas = [mb.replica for mb in mbs]
+            slots = [mb.slot for mb in mbs]
+            paper_only, paper_seconds = plan_paper_only(module)
+            baseline = ortools_plan(module, time_limit=args.time_limit, workers=args.workers)
+            _check_baseline(baseline, len(batch), args.capacity, dp_size)
+            step["per_dp"][dp_size] = {
+                "harts": {
+                    "compact": int(sum(works)),
+                    "microbatches": len(mbs),
+                    "objective": list(objective(mbs)),
+                    "seconds": harts_seconds,
+                    "cpu_seconds": harts_cpu,
+                    "slot_imbalance": slot_imbalances(works, replicas, slots, dp_size),
+                    "step_imbalance": step_imbalance(works, replicas, slots, dp_size),
+                    "source": plan(PrefixIndex.from_module(module), PlannerOptions(capacity=module.capacity, dp_size=dp_size)).source,
+                },
+                "paper_only": {
+                    "compact": int(sum(paper_only.works)),
+                    "microbatches": len(paper_only.works),
+                    "objective": list(paper_only.objective),
+                    "seconds": paper_seconds,
+                    "source": paper_only.source,
+                    "slot_imbalance": slot_imbalances(paper_only.works, paper_only.replicas, paper_only.slots, dp_size),
+                    "step_imbalance": step_imbalance(paper_only.works, paper_only.replicas, paper_only.slots, dp_size),
+                },
+                "ortools": {
+                    "compact": int(sum(baseline.works)),
+                    "microbatches": len(baseline.works),
+                    "seconds": baseline.seconds,
+                    "solver_seconds": baseline.solver_seconds,
+                    "status": list(baseline.status),
+                    "bins_before_equalising": list(baseline.bins_before_equalising),
+                    "slot_imbalance": slot_imbalances(baseline.works, baseline.replicas, baseline.slots, dp_size),
+                    "step_imbalance": step_imbalance(baseline.works, baseline.replicas, baseline.slots, dp_size),
+                },
+            }
+            h, o = step["per_dp"][dp_size]["harts"], step["per_dp"][dp_size]["ortools"]
+            logger.info("step %d D=%d: HARTS %d (%.3f s)  OR %d (%.2f s, %s)  ratio %.4f", seed, dp_size, h["compact"],
+                        h["seconds"], o["compact"], o["seconds"], ",".join(o["status"]), o["compact"] / h["compact"])
+        rows.append(step)
+    return {"args": {k: v for k, v in vars(args).items() if k in _RUN_ARGS}, "steps": rows, "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"}
+
+
+def _check_baseline(baseline, count: int, capacity: int, dp_size: int) -> None:
+    members = sorted(t for mb in baseline.microbatches for t in mb)
+    if members != list(range(count)) or max(baseline.works) > capacity or len(baseline.works) % dp_size:
+        raise AssertionError("the OR-Tools baseline produced an invalid plan")
+
+
+def _fmt(value: int) -> str:
+    return f"{value:,}"
+
+
+def render(result: dict) -> str:
+    args = result["args"]
+    steps = result["steps"]
+    d2 = args["table2_dp"]
+    command = "python benchmarks/bench_planner.py " + " ".join(
+        [f"--steps {args['steps']}", f"--scale {args['scale']}", "--dp " + " ".join(map(str, args["dp"])),
+         f"--table2-dp {d2}", f"--capacity {args['capacity']}", f"--time-limit {args['time_limit']}",
+         f"--workers {args['workers']}", f"--repeats {args['repeats']}"])
+    lines = [SECTION, ""]
+    lines.append(f"Command: `{command}` on {result['machine']} (the machine was shared with other jobs; times are wall clock).")
+    lines.append("")
+    lines.append(f"### Table 2: planning quality and planning time (T = {args['capacity']:,}, D = {d2})")
+    lines.append("")
+    lines.append("| Step | Paths | Raw tokens | G (lower bound) | HARTS compact | OR-Tools compact | Compact OR/HARTS | HARTS/G | "
+                 "HARTS plan (s) | OR plan (s) | Time OR/HARTS | prefix-compress (s) | paper-only compact (OR/it) |")
+    lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    total_h = total_o = total_p = 0
+    for step in steps:
+        h, o, p = (step["per_dp"][d2][who] for who in ("harts", "ortools", "paper_only"))
+        total_h += h["compact"]
+        total_o += o["compact"]
+        total_p += p["compact"]
+        lines.append(
+            f"| {step['seed']} | {_fmt(step['paths'])} | {_fmt(step['raw_tokens'])} | {_fmt(step['lower_bound'])} | "
+            f"{_fmt(h['compact'])} | {_fmt(o['compact'])} | {o['compact'] / h['compact']:.6f}x | "
+            f"{h['compact'] / step['lower_bound']:.4f}x | {h['seconds']:.3f} | {o['seconds']:.2f} | "
+            f"{o['seconds'] / h['seconds']:.1f}x | {step['compress_seconds']:.2f} | "
+            f"{_fmt(p['compact'])} ({o['compact'] / p['compact']:.4f}x) |"
+        )
+    lines.append("")
+    lines.append(f"Sum over steps: HARTS {_fmt(total_h)}, OR-Tools {_fmt(total_o)} compact tokens "
+                 f"({(total_o - total_h) / total_o * 100:.2f}% fewer with HARTS); paper-only candidate set {_fmt(total_p)} "
+                 f"({(total_o - total_p) / total_o * 100:.2f}% fewer than OR-Tools).")
+    ratios = {dp: [s["per_dp"][dp]["ortools"]["compact"] / s["per_dp"][dp]["harts"]["compact"] for s in steps] for dp in args["dp"]}
+    speedups = {dp: [s["per_dp"][dp]["ortools"]["seconds"] / s["per_dp"][dp]["harts"]["seconds"] for s in steps] for dp in args["dp"]}
+    lines.append("")
+    lines.append("Every D: " + "; ".join(
+        f"D={dp}: compact OR/HARTS {min(ratios[dp]):.4f}-{max(ratios[dp]):.4f}x, planning time OR/HARTS "
+        f"{min(speedups[dp]):.1f}-{max(speedups[dp]):.1f}x, HARTS plan time max "
+        f"{max(s['per_dp'][dp]['harts']['seconds'] for s in steps):.3f} s (CPU max "
+        f"{max(s['per_dp'][dp]['harts']['cpu_seconds'] for s in steps):.3f} s)" for dp in args["dp"]) + ".")
+    lines.append("")
+    lines.append("### Table 3: DP-replica work balance (Eq. 23), all steps")
+    lines.append("")
+    lines.append("| D | Scheduled slots HARTS/OR | Within-slot P50 imbalance (%) HARTS/OR | Within-slot P95 imbalance (%) HARTS/OR | "
+                 "Step-total P50 imbalance (%) HARTS/OR | Step-total max imbalance (%) HARTS/OR | HARTS plan time P50/max (s) |")
+    lines.append("|---:|---:|---:|---:|---:|---:|---:|")
+    for dp_size in args["dp"]:
+        entries = [step["per_dp"][dp_size] for step in steps]
+        cells = []
+        for who in ("harts", "ortools"):
+            slots = sum(e[who]["microbatches"] // dp_size for e in entries)
+            within = np.concatenate([e[who]["slot_imbalance"] for e in entries]) * 100
+            totals = np.array([e[who]["step_imbalance"] for e in entries]) * 100
+            cells.append((slots, np.percentile(within, 50), np.percentile(within, 95), np.percentile(totals, 50), totals.max()))
+        h, o = cells
+        times = [e["harts"]["seconds"] for e in entries]
+        lines.append(f"| {dp_size} | {h[0]}/{o[0]} | {h[1]:.4f}/{o[1]:.4f} | {h[2]:.4f}/{o[2]:.4f} | {h[3]:.4f}/{o[3]:.4f} | "
+                     f"{h[4]:.4f}/{o[4]:.4f} | {statistics.median(times):.3f}/{max(times):.3f} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def update_results(path: Path, section: str, notes: str) -> None:
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    body = section + "\n" + notes.rstrip() + "\n"
+    if SECTION in text:
+        start = text.index(SECTION)
+        following = text.find("\n## ", start + len(SECTION))
+        end = len(text) if following < 0 else following + 1
+        text = text[:start] + body + ("\n" + text[end:] if following >= 0 else "")
+    else:
+        text = text.rstrip() + "\n\n" + body
+    path.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10, help="number of generated steps (seeds 1..steps)")
+    parser.add_argument("--scale", type=float, default=1.0, help="swe_like_step scale (1.0 = full size)")
+    parser.add_argument("--dp", type=int, nargs="+", default=[2, 4, 8], help="DP degrees for Table 3")
+    parser.add_argument("--table2-dp", type=int, default=4, help="the DP degree Table 2 reports")
+    parser.add_argument("--capacity", type=int, default=65536, help="microbatch capacity T")
+    parser.add_argument("--time-limit", type=float, default=2.0, help="CP-SAT wall-clock limit per replica (s)")
+    parser.add_argument("--workers", type=int, default=2, help="CP-SAT search workers")
+    parser.add_argument("--repeats", type=int, default=3, help="HARTS planning runs per step (best time kept)")
+    parser.add_argument("--json", type=Path, help="also write the raw results as JSON")
+    parser.add_argument("--update-results", type=Path, help="replace this section of a RESULTS.md file")
+    parser.add_argument("--notes", type=Path, help="markdown appended after the tables in --update-results")
+    parser.add_argument("--from-json", type=Path, help="render the tables of an earlier --json run instead of running")
+    args = parser.parse_args()
+    if args.table2_dp not in args.dp:
+        args.dp = [*args.dp, args.table2_dp]
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.from_json:
+        result = json.loads(args.from_json.read_text())
+        for step in result["steps"]:
+            step["per_dp"] = {int(dp): entry for dp, entry in step["per_dp"].items()}
+        args.json = None
+    else:
+        result = run(args)
+    text = render(result)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1, default=str))
+    if args.update_results:
+        update_results(args.update_results, text, args.notes.read_text() if args.notes else "")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,359 @@
+"""Trie-aware greedy placement (§3.2, Eq. 10), independent of contiguity and of K.
+
+Every open microbatch keeps, for every rank ``r``, its largest member below ``r`` and its
+smallest member above ``r`` (``before[m, r]`` / ``after[m, r]``, with ``-1`` and ``N`` for
+none). Evaluating Eq. 10 for one trajectory against all open microbatches is then one
+gather from each table at the trajectory's rank and one vectorised range-minimum query;
+inserting or removing a member rewrites one slice of its microbatch's rows between its
+neighbours. The eight (order, policy) plans run in lockstep over one 3-D table each.
+
+:func:`place_pieces` is the same placement with natural-partition intervals as the unit
+(an extension beyond the paper; see :mod:`harts.planner.search`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import attrs
+import numpy as np
+
+from harts.planner.ranks import RankSpace
+
+logger = logging.getLogger(__name__)
+
+ORDERS = ("ascending", "descending", "longest", "unique-suffix")
+POLICIES = ("best-fit", "max-shared")
+
+
+class Packing:
+    """Microbatches under construction over the ranks of one batch (one greedy plan).
+
+    Columns ``0 .. used-1`` have been opened; ``alive`` marks those still holding members.
+    """
+
+    def __init__(self, space: RankSpace, capacity: int, before: np.ndarray, after: np.ndarray,
+                 work: np.ndarray, used: int, labels: np.ndarray):
+        self.space = space
+        self.capacity = capacity
+        self.before = before
+        self.after = after
+        self.used = used
+        self.work = np.where(np.arange(len(work)) < used, work, 0).astype(np.int64)
+        self.labels = labels
+        self.count = np.bincount(labels[labels >= 0], minlength=len(work)).astype(np.int64)
+        self.alive = self.count > 0
+
+    @property
+    def live_count(self) -> int:
+        return int(self.alive[: self.used].sum())
+
+    def shared_with_open(self, rank: int) -> np.ndarray:
+        """|x| - ΔC (Eq. 10) of ``rank`` against every used column; dead columns included."""
+        return self.space.neighbour_shared(rank, self.before[: self.used, rank], self.after[: self.used, rank])
+
+    def insert(self, rank: int, column: int) -> None:
+        before, after = int(self.before[column, rank]), int(self.after[column, rank])
+        shared = self.space.neighbour_shared(rank, np.array([before]), np.array([after]))[0]
+        self.before[column, rank + 1 : after + 1] = rank
+        self.after[column, max(before, 0) : rank] = rank
+        self.work[column] += self.space.lengths[rank] - shared
+        self.count[column] += 1
+        self.labels[rank] = column
+
+    def insert_run(self, first: int, last: int, column: int, delta: int) -> None:
+        """Insert ranks ``first..last``, none of whose range holds a member of ``column``; ``delta`` is its ΔC."""
+        before, after = int(self.before[column, first]), int(self.after[column, last])
+        self.before[column, first + 1 : last + 1] = np.arange(first, last, dtype=self.before.dtype)
+        self.before[column, last + 1 : after + 1] = last
+        self.after[column, first:last] = np.arange(first + 1, last + 1, dtype=self.after.dtype)
+        self.after[column, max(before, 0) : first] = first
+        self.work[column] += delta
+        self.count[column] += last - first + 1
+        self.labels[first : last + 1] = column
+
+    def remove(self, rank: int) -> None:
+        column = int(self.labels[rank])
+        before, after = int(self.before[column, rank]), int(self.after[column, rank])
+        shared = self.space.neighbour_shared(rank, np.array([before]), np.array([after]))[0]
+        self.before[column, rank + 1 : after + 1] = before
+        self.after[column, max(before, 0) : rank] = after
+        self.work[column] -= self.space.lengths[rank] - shared
+        self.count[column] -= 1
+        self.labels[rank] = -1
+
+    def open(self, rank: int) -> int:
+        """Start a new microbatch holding ``rank``; reuses an emptied column when there is one."""
+        empty = np.flatnonzero(~self.alive[: self.used])
+        if empty.size:
+            column = int(empty[0])
+        else:
+            if self.used == self.work.shape[0]:
+                self._grow()
+            column = self.used
+            self.used += 1
+        self.alive[column] = True
+        self.insert(rank, column)
+        return column
+
+    def _grow(self) -> None:
+        extra = self.work.shape[0]
+        n = self.space.size
+        self.before = np.concatenate([self.before, np.full((extra, n), -1, dtype=self.before.dtype)])
+        self.after = np.concatenate([self.after, np.full((extra, n), n, dtype=self.after.dtype)])
+        self.work = np.concatenate([self.work, np.zeros(extra, dtype=np.int64)])
+        self.count = np.concatenate([self.count, np.zeros(extra, dtype=np.int64)])
+        self.alive = np.concatenate([self.alive, np.zeros(extra, dtype=bool)])
+
+    def total_work(self) -> int:
+        return int(self.work[: self.used][self.alive[: self.used]].sum())
+
+    def canonical_labels(self) -> np.ndarray:
+        return canonical_labels(self.labels)
+
+
+def canonical_labels(self) -> np.ndarray:
+        return canonical_labels(self.labels)
+
+
+def canonical_labels(labels: np.ndarray) -> np.ndarray:
+    """Relabel groups 0..K-1 in order of their smallest rank."""
+    _, first, inverse = np.unique(labels, return_index=True, return_inverse=True)
+    renumber = np.empty(len(first), dtype=np.int64)
+    renumber[np.argsort(first, kind="stable")] = np.arange(len(first))
+    return renumber[inverse.reshape(-1)]
+
+
+def unique_suffix(space: RankSpace) -> np.ndarray:
+    """u(x) = |x| - max(LCP with its global lexicographic neighbours), by rank."""
+    padded = np.append(space.lcp, 0)
+    return space.lengths - np.maximum(padded[:-1], padded[1:])
+
+
+def processing_order(space: RankSpace, name: str) -> np.ndarray:
+    ranks = np.arange(space.size)
+    if name == "ascending":
+        return ranks
+    if name == "descending":
+        return ranks[::-1].copy()
+    if name == "longest":
+        return np.lexsort((ranks, -space.lengths))
+    if name == "unique-suffix":
+        return np.lexsort((ranks, -unique_suffix(space)))
+    raise ValueError(f"unknown greedy processing order {name!r}; known: {', '.join(ORDERS)}")
+
+
+def place_all(space: RankSpace, capacity: int, lanes: list[tuple[np.ndarray, str]], columns: int = 16,
+              memory_budget: int = 1 << 29) -> list[Packing]:
+    """Greedy placement for several (order, policy) lanes at once.
+
+    Each lane inserts its trajectories in its own order into the open microbatch its
+    policy prefers, or opens a new one when none can take it. best-fit: the feasible
+    microbatch heaviest after insertion. max-shared: the feasible microbatch sharing the
+    most tokens with the trajectory, ties to the heaviest after insertion.
+
+    Lanes advance in lockstep so each step evaluates Eq. 10 for every lane and every open
+    microbatch in one set of array operations; lanes are processed in groups whose
+    neighbour tables fit ``memory_budget`` bytes.
+    """
+    for _, policy in lanes:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown greedy placement policy {policy!r}; known: {', '.join(POLICIES)}")
+    per_lane = 2 * 4 * space.size * max(columns, 1)
+    group = max(1, min(len(lanes), memory_budget // per_lane))
+    packings = []
+    for first in range(0, len(lanes), group):
+        packings.extend(_place_group(space, capacity, lanes[first : first + group], columns))
+    return packings
+
+
+def _place_group(space: RankSpace, capacity: int, lanes: list[tuple[np.ndarray, str]], columns: int) -> list[Packing]:
+    n = space.size
+    count = len(lanes)
+    orders = np.stack([order for order, _ in lanes])
+    best_fit = np.array([policy == "best-fit" for _, policy in lanes])[:, None]
+    before = np.full((count, columns, n), -1, dtype=np.int32)
+    after = np.full((count, columns, n), n, dtype=np.int32)
+    unopened = np.int64(1) << np.int64(40)  # an unopened column can take nothing
+    work = np.full((count, columns), unopened, dtype=np.int64)
+    labels = np.full((count, n), -1, dtype=np.int64)
+    used = [0] * count
+    lane_ids = np.arange(count)
+    lengths = space.lengths
+    scale = np.int64(capacity) + 1
+    # No microbatch can give x more than its global neighbours do, so a column with less
+    # slack than u(x) cannot take x: evaluate Eq. 10 only on the columns that might.
+    least_cost = unique_suffix(space)
+    lane_best_fit = best_fit[:, 0]
+    for step in range(n):
+        ranks = orders[:, step]
+        width = max(max(used), 1)
+        open_work = work[:, :width]
+        lane_of, column_of = np.nonzero(open_work <= (capacity - least_cost[ranks])[:, None])
+        score = np.full((count, width), -1, dtype=np.int64)
+        if lane_of.size:
+            rank_of = ranks[lane_of]
+            flat = (lane_of * before.shape[1] + column_of) * n + rank_of
+            shared = np.maximum(space.range_min(before.reshape(-1).take(flat) + 1, rank_of),
+                                space.range_min(rank_of + 1, after.reshape(-1).take(flat)))
+            work_after = open_work[lane_of, column_of] + (lengths[rank_of] - shared)
+            # best-fit ranks by the work after insertion; max-shared by shared tokens, then that work
+            lane_score = np.where(lane_best_fit[lane_of], work_after, shared * scale + work_after)
+            score[lane_of, column_of] = np.where(work_after <= capacity, lane_score, -1)
+        choice = score.argmax(axis=1)
+        best = score[lane_ids, choice]
+        # both scores end in the work after insertion, modulo ``scale``
+        gained = np.where(best >= 0, best % scale - work[lane_ids, choice], lengths[ranks]).tolist()
+        for lane, rank, column, fits, delta in zip(range(count), ranks.tolist(), choice.tolist(), (best >= 0).tolist(), gained):
+            if not fits:
+                column = used[lane]
+                used[lane] += 1
+                if column == before.shape[1]:
+                    before = np.concatenate([before, np.full_like(before, -1)], axis=1)
+                    after = np.concatenate([after, np.full_like(after, n)], axis=1)
+                    work = np.concatenate([work, np.full_like(work, unopened)], axis=1)
+                work[lane, column] = 0
+            low = int(before[lane, column, rank])
+            high = int(after[lane, column, rank])
+            before[lane, column, rank + 1 : high + 1] = rank
+            after[lane, column, max(low, 0) : rank] = rank
+            work[lane, column] += delta
+            labels[lane, rank] = column
+    return [Packing(space, capacity, before[lane], after[lane], work[lane], used[lane], labels[lane]) for lane in range(count)]
+
+
+def place_pieces(space: RankSpace, capacity: int, starts: np.ndarray, policy: str) -> Packing:
+    """Greedy placement of contiguous rank intervals (pieces), heaviest first.
+
+    The unit is a piece of a contiguous partition (the natural partition) instead of one
+    trajectory: a piece ``[a, b]`` that lands between members ``p`` and ``q`` of a
+    microbatch costs ``W(a, b) - LCP(p, a) - LCP(b, q) + LCP(p, q)``, which is Eq. 10
+    with the piece in place of ``x``. Policies are those of :func:`place_all`.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown greedy placement policy {policy!r}; known: {', '.join(POLICIES)}")
+    n = space.size
+    ends = np.append(starts[1:] - 1, n - 1)
+    works = space.interval_works(starts, ends)
+    columns = len(starts)
+    packing = Packing(space, capacity, np.full((columns, n), -1, dtype=np.int32), np.full((columns, n), n, dtype=np.int32),
+                      np.zeros(columns, dtype=np.int64), 0, np.full(n, -1, dtype=np.int64))
+    scale = np.int64(capacity) + 1
+    for piece in np.lexsort((starts, -works)).tolist():
+        first, last, work = int(starts[piece]), int(ends[piece]), int(works[piece])
+        if packing.used:
+            below = packing.before[: packing.used, first].astype(np.int64)
+            above = packing.after[: packing.used, last].astype(np.int64)
+            delta = (work - space.range_min(below + 1, np.full_like(below, first))
+                     - space.range_min(np.full_like(above, last + 1), above) + space.range_min(below + 1, above))
+            work_after = packing.work[: packing.used] + delta
+            feasible = work_after <= capacity
+            if feasible.any():
+                score = work_after if policy == "best-fit" else (work - delta) * scale + work_after
+                column = int(np.where(feasible, score, -1).argmax())
+                packing.insert_run(first, last, column, int(delta[column]))
+                continue
+        column = packing.used
+        packing.used += 1
+        packing.alive[column] = True
+        packing.insert_run(first, last, column, work)
+    return packing
+
+
+def eliminate_small(packing: Packing) -> Packing:
+    """Dissolve microbatches filled to at most half capacity whose members all fit elsewhere.
+
+    Members move, longest first, to the feasible microbatch with the smallest ΔC (ties: the
+    heaviest after insertion). A dissolution that cannot place every member is undone.
+    """
+    capacity = packing.capacity
+    lengths = packing.space.lengths
+    scale = np.int64(2 * capacity + 2)
+    never = np.iinfo(np.int64).max
+    columns = [c for c in np.lexsort((np.arange(packing.used), packing.work[: packing.used])).tolist() if packing.alive[c]]
+    for column in columns:
+        if not packing.alive[column] or packing.work[column] * 2 > capacity or packing.live_count <= 1:
+            continue
+        members = np.flatnonzero(packing.labels == column)
+        members = members[np.lexsort((members, -lengths[members]))].tolist()
+        packing.alive[column] = False
+        moved: list[int] = []
+        for rank in members:
+            packing.remove(rank)
+            delta = lengths[rank] - packing.shared_with_open(rank)
+            work_after = packing.work[: packing.used] + delta
+            feasible = (work_after <= capacity) & packing.alive[: packing.used]
+            if not feasible.any():
+                packing.insert(rank, column)
+                for placed in reversed(moved):
+                    packing.remove(placed)
+                    packing.insert(placed, column)
+                packing.alive[column] = True
+                break
+            packing.insert(rank, int(np.where(feasible, delta * scale - work_after, never).argmin()))
+            moved.append(rank)
+    return packing
+
+
+def align_to_dp(packing: Packing, dp_size: int) -> Packing | None:
+    """Raise K to a multiple of D by moving single trajectories out to new microbatches.
+
+    Each split takes the trajectory whose removal duplicates the fewest tokens (the
+    tokens it shares with its neighbours in its microbatch), ties to the heavier
+    microbatch then the lowest rank. None when there are too few trajectories.
+    """
+    missing = -packing.live_count % dp_size
+    if packing.live_count + missing > packing.space.size:
+        return None
+    for _ in range(missing):
+        ranks = np.flatnonzero(packing.labels >= 0)
+        columns = packing.labels[ranks]
+        movable = packing.count[columns] > 1
+        ranks, columns = ranks[movable], columns[movable]
+        shared = packing.space.neighbour_shared(ranks, packing.before[columns, ranks], packing.after[columns, ranks])
+        pick = np.lexsort((ranks, -packing.work[columns], shared))[0]
+        rank = int(ranks[pick])
+        packing.remove(rank)
+        packing.open(rank)
+    return packing
+
+
+@attrs.frozen
+class GreedyPlan:
+    labels: np.ndarray = attrs.field(eq=False)
+    count: int
+    total_work: int
+    source: str
+
+
+def greedy_plans(space: RankSpace, capacity: int, dp_size: int) -> list[GreedyPlan]:
+    """The eight order x policy plans, each after elimination and DP alignment (failures dropped)."""
+    # Room for twice the bins the whole-batch trie needs; the tables grow if that is short.
+    columns = min(space.size, max(16, 2 * -(-space.interval_work(0, space.size - 1) // capacity) + 8))
+    names = [(order_name, policy) for order_name in ORDERS for policy in POLICIES]
+    lanes = [(processing_order(space, order_name), policy) for order_name, policy in names]
+    plans = []
+    for (order_name, policy), packing in zip(names, place_all(space, capacity, lanes, columns)):
+        packing = align_to_dp(eliminate_small(packing), dp_size)
+        if packing is None:
+            logger.debug("greedy %s/%s: cannot align K to D=%d", order_name, policy, dp_size)
+            continue
+        plans.append(GreedyPlan(packing.canonical_labels(), packing.live_count, packing.total_work(), f"greedy/{order_name}/{policy}"))
+    return plans
+
+
+def piece_plans(space: RankSpace, capacity: int, dp_size: int, starts: np.ndarray) -> list[GreedyPlan]:
+    """Both policies over the pieces of a contiguous partition, after elimination and DP alignment."""
+    plans = []
+    for policy in POLICIES:
+        packing = align_to_dp(eliminate_small(place_pieces(space, capacity, starts, policy)), dp_size)
+        if packing is not None:
+            plans.append(GreedyPlan(packing.canonical_labels(), packing.live_count, packing.total_work(), f"pieces/{policy}"))
+    return plans
+
+
+def preselect(plans: list[GreedyPlan]) -> GreedyPlan | None:
+    """The greedy candidate: fewest microbatches, then least total work, then first generated."""
+    if not plans:
+        return None
+    return min(enumerate(plans), key=lambda item: (item[1].count, item[1].total_work, item[0]))[1]

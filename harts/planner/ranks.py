@@ -1,0 +1,84 @@
+"""Vectorised prefix queries over lexicographic ranks, built on :class:`~harts.ir.PrefixIndex`.
+
+The planner works on ranks ``0 .. N-1`` (trajectories in stable token-lexicographic order).
+``PrefixIndex`` answers one query at a time; the search loops need thousands of them per
+step, so this wrapper answers whole arrays of queries with one numpy gather each.
+
+The LCP array is padded with a zero at index ``N``: a query whose range reaches it (a
+missing successor, encoded as rank ``N``) or ``lcp[0]`` (a missing predecessor, encoded as
+rank ``-1``) then yields 0 without a mask.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from harts.ir.prefix_index import PrefixIndex
+
+
+class RankSpace:
+    """Interval work, pairwise LCP and group work for arrays of ranks."""
+
+    def __init__(self, index: PrefixIndex):
+        self.index = index
+        self.size = n = index.size
+        self.lengths = index.lengths.astype(np.int64)
+        self.lcp = index.lcp.astype(np.int64)
+        self.length_prefix = np.concatenate([[0], np.cumsum(self.lengths)])
+        self.lcp_prefix = np.concatenate([[0], np.cumsum(self.lcp)])
+        padded = np.concatenate([self.lcp, [0]])
+        levels = [padded]
+        width = 1
+        while 2 * width <= n + 1:
+            previous = levels[-1]
+            levels.append(np.minimum(previous[:-width], previous[width:]))
+            width *= 2
+        # One rectangular table so a batch of queries at mixed levels is a single 2-D gather.
+        self._table = np.zeros((len(levels), n + 1), dtype=np.int64)
+        for level, values in enumerate(levels):
+            self._table[level, : len(values)] = values
+        # frexp's exponent is exact for integers, unlike a rounded log2
+        self._floor_log2 = np.frexp(np.arange(n + 2, dtype=np.float64))[1].astype(np.int64) - 1
+
+    # ------------------------------------------------------------------ scalar
+    def interval_work(self, a: int, b: int) -> int:
+        """W(a, b) for ranks ``a..b`` inclusive (0 if ``a > b``)."""
+        if a > b:
+            return 0
+        return int(self.length_prefix[b + 1] - self.length_prefix[a] - (self.lcp_prefix[b + 1] - self.lcp_prefix[a + 1]))
+
+    # ------------------------------------------------------------------ vector
+    def interval_works(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """W(starts[i], ends[i]) for arrays with ``starts <= ends`` (inclusive ends)."""
+        return (self.length_prefix[ends + 1] - self.length_prefix[starts]) - (self.lcp_prefix[ends + 1] - self.lcp_prefix[starts + 1])
+
+    def range_min(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """min(padded_lcp[lo..hi]) elementwise, ``0 <= lo <= hi <= N``."""
+        level = self._floor_log2[hi - lo + 1]
+        return np.minimum(self._table[level, lo], self._table[level, hi - (1 << level) + 1])
+
+    def lcp_between(self, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
+        """LCP of ranks ``lower < upper`` elementwise; ``lower == -1`` or ``upper == N`` give 0."""
+        return self.range_min(lower + 1, upper)
+
+    def neighbour_shared(self, rank, predecessors: np.ndarray, successors: np.ndarray) -> np.ndarray:
+        """max(LCP(p, x), LCP(x, q)) for trajectory rank ``x`` and arrays of neighbours.
+
+        With ``p < x < q`` adjacent in a microbatch's sorted members, LCP(p, q) equals
+        min(LCP(p, x), LCP(x, q)), so Eq. 10 reduces to ``|x| - max(LCP(p, x), LCP(x, q))``;
+        this returns the subtracted maximum (``|x| - ΔC``, the tokens ``x`` shares).
+        Missing neighbours are encoded as ``-1`` and ``N``.
+        """
+        return np.maximum(self.range_min(predecessors + 1, np.broadcast_to(rank, predecessors.shape)),
+                          self.range_min(np.broadcast_to(rank + 1, successors.shape), successors))
+
+    def group_works(self, labels: np.ndarray, count: int) -> np.ndarray:
+        """C(M) (Eq. 5) of every group ``0..count-1`` where ``labels[rank]`` is the rank's group."""
+        order = np.lexsort((np.arange(self.size), labels))
+        sorted_labels = labels[order]
+        works = np.bincount(labels, weights=self.lengths, minlength=count).astype(np.int64)
+        same = sorted_labels[1:] == sorted_labels[:-1]
+        if np.any(same):
+            shared = self.lcp_between(order[:-1][same], order[1:][same])
+            works -= np.bincount(sorted_labels[1:][same], weights=shared, minlength=count).astype(np.int64)
+        return works

@@ -1,0 +1,272 @@
+"""Candidate generation, refinement and selection by J (§3.2).
+
+Candidates are labellings of the lexicographic ranks (``labels[rank]`` = microbatch id,
+ids ordered by each microbatch's smallest rank). Sources:
+
+* ``N <= exact_threshold``: the exact contiguous DP for every DP-compatible K of Eq. 8;
+* otherwise: the natural partition evolved by merges/splits to a sampled set of K
+  (``sampled/K=...``); when no adjacent pair fits together a merge step re-cuts three
+  adjacent microbatches into two instead of failing. A second merge chain
+  (``sampled-recut/K=...``) takes a re-cut whenever it saves more than the best merge;
+* unless ``greedy=False``: the trie-aware greedy candidate (four orders x two policies,
+  small-microbatch elimination, DP alignment, preselected by fewest microbatches then
+  least work), and a piece greedy candidate (``pieces/...``) that places whole
+  natural-partition intervals heaviest first with the interval form of Eq. 10.
+
+The re-cut merge and the piece greedy go beyond the paper's description: they are extra
+heuristic candidates that only add to the comparison, so every paper candidate still
+competes and the guarantees are unchanged. ``extended=False`` leaves them out.
+
+Refinement (``refine=True``) adds refined copies without removing anything: for small
+inputs only the greedy candidates are refined; for large inputs also up to three base
+anchors (the base plan at the greedy K, the lowest-work base plan, the base plan whose K
+is closest to the greedy K). Contiguous candidates get boundary refinement first; all
+get sparse repair. Every candidate is then assigned to replicas and slots, and the
+lexicographically smallest J wins (ties: smaller K, then the first generated).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import attrs
+import numpy as np
+
+from harts.errors import PlanningError
+from harts.ir.prefix_index import PrefixIndex
+from harts.planner import contiguous, greedy, repair
+from harts.planner.ranks import RankSpace
+from harts.planner.schedule import assign_slots, objective_of
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class PlannerOptions:
+    """Targets and search knobs; defaults follow the paper (N0 = 512, Q_max = 32, H = 8)."""
+
+    capacity: int
+    dp_size: int = 1
+    exact_threshold: int = 512
+    sample_budget: int = 32
+    refine: bool = True
+    greedy: bool = True
+    window: int = 8
+    boundary_sweeps: int = 2
+    repair_iterations: int = 4
+    refine_anchors: int = 3
+    #: add the candidates that go beyond the paper (re-cut merges, piece greedy); False
+    #: generates exactly the paper's candidate set
+    extended: bool = True
+
+
+@attrs.frozen(eq=False)
+class Candidate:
+    """One fully instantiated plan: membership, works, replica/slot assignment and J."""
+
+    source: str
+    labels: np.ndarray
+    works: np.ndarray
+    replica: np.ndarray
+    slot: np.ndarray
+    objective: tuple[int, int, int]
+
+    @property
+    def count(self) -> int:
+        return len(self.works)
+
+
+@attrs.frozen(eq=False)
+class PlanResult:
+    """The chosen plan in batch indices, with every candidate's summary for reporting.
+
+    ``microbatches[i]`` are the ascending batch indices of microbatch ``i``; microbatches
+    are ordered by their lexicographically smallest member.
+    """
+
+    microbatches: tuple[tuple[int, ...], ...]
+    works: tuple[int, ...]
+    replicas: tuple[int, ...]
+    slots: tuple[int, ...]
+    objective: tuple[int, int, int]
+    source: str
+    lower_bound: int
+    natural_count: int
+    k_range: tuple[int, ...]
+    candidates: tuple[tuple[str, int, tuple[int, int, int]], ...]
+    seconds: dict
+
+
+def _instantiate(space: RankSpace, labels: np.ndarray, dp_size: int, source: str) -> Candidate:
+    labels = greedy.canonical_labels(labels)
+    count = int(labels.max()) + 1
+    works = space.group_works(labels, count)
+    # canonical ids already follow each microbatch's smallest rank: a content-only tie key
+    replica, slot = assign_slots(works, np.arange(count), dp_size)
+    return Candidate(source, labels, works, replica, slot, objective_of(works, replica, slot))
+
+
+def select_best(candidates: list[Candidate]) -> Candidate:
+    """The lexicographically smallest J (Eq. 4); ties to fewer microbatches, then the earliest candidate."""
+    return min(enumerate(candidates), key=lambda item: (item[1].objective, item[1].count, item[0]))[1]
+
+
+def instantiate(index: PrefixIndex, labels, dp_size: int, source: str = "given") -> Candidate:
+    """A candidate from microbatch labels by rank: canonical ids, works, assignment and J."""
+    return _instantiate(RankSpace(index), np.asarray(labels, dtype=np.int64), dp_size, source)
+
+
+def check_plannable(index: PrefixIndex, capacity: int, dp_size: int) -> None:
+    """Raise :class:`PlanningError` for inputs no valid plan can serve."""
+    too_long = np.flatnonzero(index.lengths > capacity)
+    if too_long.size:
+        rank = int(too_long[np.argmax(index.lengths[too_long])])
+        trajectory = int(index.order[rank])
+        raise PlanningError(
+            f"trajectory {trajectory} has {int(index.lengths[rank])} tokens, more than the microbatch capacity {capacity}; "
+            "a trajectory cannot be split between microbatches, so raise the capacity"
+        )
+    if index.size < dp_size:
+        raise PlanningError(
+            f"the batch has {index.size} trajectories but dp_size is {dp_size}: every DP replica needs at least one "
+            "nonempty microbatch (K must be a positive multiple of dp_size), so use fewer replicas or more trajectories"
+        )
+
+
+def plan(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
+    """Generate, refine, instantiate and select candidates; see the module docstring."""
+    capacity, dp_size = options.capacity, options.dp_size
+    if capacity < 1 or dp_size < 1:
+        raise PlanningError(f"capacity ({capacity}) and dp_size ({dp_size}) must be positive")
+    check_plannable(index, capacity, dp_size)
+    clock = time.perf_counter
+    seconds: dict[str, float] = {}
+    started = clock()
+    space = RankSpace(index)
+    n = space.size
+    lower_bound = space.interval_work(0, n - 1)
+    natural = contiguous.natural_partition(space, capacity)
+    k_values = contiguous.k_range(lower_bound, len(natural), n, capacity, dp_size)
+    if k_values[0] > n:
+        raise PlanningError(
+            f"no DP-compatible plan: the batch needs at least {k_values[0]} microbatches ({lower_bound} compact tokens at "
+            f"capacity {capacity}, rounded up to a multiple of dp_size {dp_size}) but has only {n} trajectories"
+        )
+    seconds["prepare"] = clock() - started
+
+    started = clock()
+    base: list[tuple[str, np.ndarray]] = []
+    exact = n <= options.exact_threshold
+    if exact:
+        for k, starts in sorted(contiguous.exact_partitions(space, capacity, k_values).items()):
+            base.append((f"exact/K={k}", contiguous.labels_from_starts(starts, n)))
+    else:
+        sampled = contiguous.sampled_k_values(k_values, options.sample_budget)
+        chains = (("fallback", "sampled"), ("always", "sampled-recut")) if options.extended else (("never", "sampled"),)
+        for recut, tag in chains:
+            for k, starts in sorted(contiguous.evolve_partitions(space, capacity, natural, sampled, recut).items()):
+                if not (recut == "always" and k >= len(natural)):  # splits do not depend on the merge rule
+                    base.append((f"{tag}/K={k}", contiguous.labels_from_starts(starts, n)))
+    seconds["base"] = clock() - started
+
+    started = clock()
+    greedy_choice = None
+    if options.greedy:
+        greedy_choice = greedy.preselect(greedy.greedy_plans(space, capacity, dp_size))
+    seconds["greedy"] = clock() - started
+
+    started = clock()
+    piece_choice = None
+    if options.greedy and options.extended:
+        piece_choice = greedy.preselect(greedy.piece_plans(space, capacity, dp_size, natural))
+    seconds["pieces"] = clock() - started
+
+    generated: list[tuple[str, np.ndarray]] = list(base)
+    extra = [choice for choice in (greedy_choice, piece_choice) if choice is not None]
+    generated.extend((choice.source, choice.labels) for choice in extra)
+
+    started = clock()
+    if options.refine:
+        to_refine: list[tuple[str, np.ndarray]] = []
+        if not exact and base:
+            to_refine.extend(_anchors(space, base, greedy_choice, options.refine_anchors))
+        to_refine.extend((choice.source, choice.labels) for choice in extra)
+        for source, labels in to_refine:
+            refined = _refine(space, capacity, labels, options)
+            if not np.array_equal(refined, greedy.canonical_labels(labels)):
+                generated.append((f"{source}+refined", refined))
+    seconds["refine"] = clock() - started
+
+    started = clock()
+    candidates: list[Candidate] = []
+    seen: set[bytes] = set()
+    for source, labels in generated:
+        if (int(labels.max()) + 1) % dp_size:
+            logger.debug("dropping candidate %s: K=%d is not a multiple of D=%d", source, int(labels.max()) + 1, dp_size)
+            continue
+        candidate = _instantiate(space, labels, dp_size, source)
+        fingerprint = candidate.labels.tobytes()
+        if fingerprint in seen:
+            continue
+        seen.add(fingerprint)
+        if candidate.works.max() > capacity:
+            logger.debug("dropping candidate %s: heaviest microbatch %d exceeds %d", source, candidate.works.max(), capacity)
+            continue
+        candidates.append(candidate)
+    if not candidates:
+        ceiling = f" (K = {k_values[-1] + dp_size} would exceed the {n} trajectories)" if k_values[-1] + dp_size > n else ""
+        raise PlanningError(
+            f"no candidate plan satisfies capacity {capacity} with K a multiple of dp_size {dp_size}: tried K in "
+            f"{k_values[0]}..{k_values[-1]}{ceiling} and the greedy search; raise the capacity or lower dp_size"
+        )
+    best = select_best(candidates)
+    seconds["select"] = clock() - started
+    logger.debug("planned %d trajectories into K=%d microbatches (%s), J=%s, %d candidates",
+                n, best.count, best.source, best.objective, len(candidates))
+
+    members = [[] for _ in range(best.count)]
+    for rank, label in enumerate(best.labels.tolist()):
+        members[label].append(int(index.order[rank]))
+    return PlanResult(
+        microbatches=tuple(tuple(sorted(group)) for group in members),
+        works=tuple(int(w) for w in best.works),
+        replicas=tuple(int(r) for r in best.replica),
+        slots=tuple(int(s) for s in best.slot),
+        objective=best.objective,
+        source=best.source,
+        lower_bound=lower_bound,
+        natural_count=len(natural),
+        k_range=tuple(k_values),
+        candidates=tuple((c.source, c.count, c.objective) for c in candidates),
+        seconds=seconds,
+    )
+
+
+def _anchors(space: RankSpace, base, greedy_choice, limit: int) -> list[tuple[str, np.ndarray]]:
+    """Up to ``limit`` distinct base plans: at the greedy K, lowest work, K closest to the greedy K."""
+    summaries = [(source, labels, int(labels.max()) + 1, int(space.group_works(labels, int(labels.max()) + 1).sum()))
+                 for source, labels in base]
+    chosen: list[int] = []
+    greedy_count = greedy_choice.count if greedy_choice is not None else None
+    if greedy_count is not None:
+        chosen.extend(i for i, s in enumerate(summaries) if s[2] == greedy_count)
+        chosen = chosen[:1]
+    lowest = min(range(len(summaries)), key=lambda i: (summaries[i][3], i))
+    if lowest not in chosen:
+        chosen.append(lowest)
+    if greedy_count is not None:
+        remaining = [i for i in range(len(summaries)) if i not in chosen]
+        if remaining:
+            chosen.append(min(remaining, key=lambda i: (abs(summaries[i][2] - greedy_count), summaries[i][3], i)))
+    return [(summaries[i][0], summaries[i][1]) for i in chosen[:limit]]
+
+
+def _refine(space: RankSpace, capacity: int, labels: np.ndarray, options: PlannerOptions) -> np.ndarray:
+    labels = greedy.canonical_labels(labels)
+    starts = contiguous.starts_from_labels(labels)
+    if starts is not None:
+        starts = contiguous.refine_boundaries(space, capacity, starts, options.window, options.boundary_sweeps)
+        labels = contiguous.labels_from_starts(starts, space.size)
+    labels = repair.sparse_repair(space, capacity, labels, options.window, options.repair_iterations)
+    return greedy.canonical_labels(labels)
