@@ -1,0 +1,307 @@
+"""Lower one microbatch's execution schedule to torch.fx programs, one per operator kind.
+
+The programs are the compiler's executable output: every layer of a kind runs the same
+program with its own tensors (the runtime's :class:`~harts.runtime.tree_view.TreeView`
+calls them), and their code prints with the IR dumps (:func:`render_programs`).
+
+* linear attention ``(q, k, v, log_decay, beta, scale) -> o``: per round one gather of the
+  round's rows (replay rows are ancestors' existing rows), one packed chunkwise call, the
+  state handoffs (exported boundary states become later rounds' initial states, inside
+  the autograd graph) and the selection of non-replay outputs; the rounds' outputs
+  concatenate into the compact row order, which is round-major by construction.
+* causal convolution ``(x, weight, bias, activation) -> y``: one packed call over the
+  sequences' own rows, each preceded by its true ancestors' last ``w - 1`` rows.
+* attention ``(q, k, v, scale) -> o``: compact queries per sequence (already contiguous in
+  the layout) against a gathered ancestor + own key/value view, bottom-right causal.
+* log-probs ``(hidden, input_ids, weight, bias) -> (log_probs, entropy)``: one vocabulary
+  pass per compact row, then one target lookup per semantic position (Eq. 17-19).
+
+Index lists are registered as buffers, so ``program.to(device)`` moves them.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.fx
+
+from harts.codegen.layout import MicrobatchLayout
+
+
+def default_kernels():
+    """The pure-torch reference kernels (``harts.kernels.naive``)."""
+    from harts.kernels import naive
+
+    return naive
+
+
+class _ProgramBuilder:
+    """A torch.fx graph plus the buffers its ``get_attr`` nodes read."""
+
+    def __init__(self) -> None:
+        self.graph = torch.fx.Graph()
+        self.root = torch.nn.Module()
+
+    def buffer(self, name: str, values: np.ndarray | list[int]) -> torch.fx.Node:
+        self.root.register_buffer(name, torch.as_tensor(np.asarray(values, dtype=np.int64)))
+        return self.graph.get_attr(name)
+
+    def call(self, target, args: tuple, kwargs: dict | None = None, name: str | None = None) -> torch.fx.Node:
+        return self.graph.create_node("call_function", target, args, kwargs or {}, name=name)
+
+    def finish(self, outputs: Any, class_name: str) -> torch.fx.GraphModule:
+        self.graph.output(outputs)
+        self.graph.lint()
+        return torch.fx.GraphModule(self.root, self.graph, class_name=class_name)
+
+
+def _is_range(rows: np.ndarray) -> bool:
+    return rows.size > 0 and bool(np.array_equal(rows, np.arange(rows[0], rows[0] + rows.size)))
+
+
+def _gather(builder: _ProgramBuilder, source: torch.fx.Node, rows: np.ndarray, index: torch.fx.Node | None, name: str) -> torch.fx.Node:
+    """``source[rows]``; a narrow when the rows are one contiguous range (no copy)."""
+    if _is_range(rows):
+        return builder.call(torch.narrow, (source, 0, int(rows[0]), int(rows.size)), name=name)
+    return builder.call(torch.index_select, (source, 0, index), name=name)
+
+
+def round_schedule(layout: MicrobatchLayout, round_index: int) -> dict[str, Any]:
+    """Index lists of one linear-attention round: packed rows, spans, kept outputs, states, exports."""
+    first, last = int(layout.round_seq_start[round_index]), int(layout.round_seq_start[round_index + 1])
+    gathered, lengths, keep, export_chunks = [], [], [], []
+    packed = 0
+    for sequence in range(first, last):
+        replay = layout.replay_rows(sequence)
+        own = layout.sequence_rows(sequence)
+        gathered.extend((replay, own))
+        lengths.append(replay.size + own.size)
+        keep.append(np.arange(packed + replay.size, packed + replay.size + own.size, dtype=np.int64))
+        packed += replay.size + own.size
+        chunks = layout.export_chunk[layout.export_offsets[sequence] : layout.export_offsets[sequence + 1]]
+        export_chunks.append([int(c) for c in chunks])
+    rows = np.concatenate(gathered) if gathered else np.zeros(0, dtype=np.int64)
+    cu_seqlens = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu_seqlens[1:])
+    return {
+        "sequences": range(first, last),
+        "rows": rows,
+        "cu_seqlens": cu_seqlens,
+        "keep": np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64),
+        "replay": packed != int(layout.seq_row_start[last] - layout.seq_row_start[first]),
+        "export_chunks": export_chunks if any(export_chunks) else None,
+        "state_export": layout.seq_state_export[first:last],
+    }
+
+
+def build_linear_attention_program(layout: MicrobatchLayout, kernels=None) -> torch.fx.GraphModule:
+    """One packed chunkwise call per round, with gathers, state handoffs and output selection."""
+    kernels = kernels or default_kernels()
+    b = _ProgramBuilder()
+    inputs = {name: b.graph.placeholder(name) for name in ("q", "k", "v", "log_decay", "beta")}
+    scale = b.graph.placeholder("scale")
+    export_round = layout.seq_round[layout.export_sequence()]
+    exported_by_round: dict[int, torch.fx.Node] = {}
+    outputs = []
+    for r in range(layout.num_rounds):
+        schedule = round_schedule(layout, r)
+        rows = schedule["rows"]
+        index = None if _is_range(rows) else b.buffer(f"round{r}_rows", rows)
+        packed = {name: _gather(b, node, rows, index, f"{name}_round{r}") for name, node in inputs.items()}
+        cu_seqlens = b.buffer(f"round{r}_cu_seqlens", schedule["cu_seqlens"])
+
+        initial_state = None
+        sources = schedule["state_export"]
+        if np.any(sources >= 0):
+            producer_rounds = sorted({int(export_round[e]) for e in sources if e >= 0})
+            parts, base = [], {}
+            offset = 0
+            if np.any(sources < 0):
+                first_part = exported_by_round[producer_rounds[0]]
+                one = b.call(operator.getitem, (first_part, slice(0, 1)), name=f"one_state_round{r}")
+                parts.append(b.call(torch.zeros_like, (one,), name=f"zero_state_round{r}"))
+                offset = 1
+            for producer in producer_rounds:
+                first_export = int(layout.export_offsets[layout.round_seq_start[producer]])
+                base[producer] = offset - first_export
+                offset += int(layout.export_offsets[layout.round_seq_start[producer + 1]]) - first_export
+                parts.append(exported_by_round[producer])
+            state_index = [0 if e < 0 else int(e) + base[int(export_round[e])] for e in sources]
+            bank = parts[0] if len(parts) == 1 else b.call(torch.cat, (parts, 0), name=f"state_bank_round{r}")
+            if state_index == list(range(offset)):
+                initial_state = bank
+            else:
+                initial_state = b.call(
+                    torch.index_select, (bank, 0, b.buffer(f"round{r}_state_index", state_index)), name=f"initial_state_round{r}"
+                )
+
+        call = b.call(
+            kernels.chunk_linear_attention,
+            (packed["q"], packed["k"], packed["v"], packed["log_decay"], packed["beta"], cu_seqlens),
+            {"chunk_size": layout.chunk_size, "scale": scale, "initial_state": initial_state, "export_chunks": schedule["export_chunks"]},
+            name=f"call_round{r}",
+        )
+        output = b.call(operator.getitem, (call, 0), name=f"o_round{r}")
+        if schedule["export_chunks"] is not None:
+            exported_by_round[r] = b.call(operator.getitem, (call, 2), name=f"exported_round{r}")
+        if schedule["replay"]:
+            output = b.call(torch.index_select, (output, 0, b.buffer(f"round{r}_outputs", schedule["keep"])), name=f"out_round{r}")
+        outputs.append(output)
+    result = outputs[0] if len(outputs) == 1 else b.call(torch.cat, (outputs, 0), name="o")
+    return b.finish(result, "LinearAttentionRounds")
+
+
+def conv_context_rows(layout: MicrobatchLayout, width: int) -> np.ndarray:
+    """[Q, width-1] rows of each sequence's last ``width - 1`` true-ancestor positions (-1 before position 0)."""
+    context = np.full((layout.num_sequences, max(width - 1, 0)), -1, dtype=np.int64)
+    if width <= 1:
+        return context
+    for sequence in range(layout.num_sequences):
+        ancestors = layout.ancestor_rows_of(sequence)[-(width - 1) :]
+        if ancestors.size:
+            context[sequence, width - 1 - ancestors.size :] = ancestors
+    return context
+
+
+def build_conv_program(layout: MicrobatchLayout, width: int, kernels=None) -> torch.fx.GraphModule:
+    """Depthwise causal convolution over each sequence's own rows with true-ancestor context."""
+    kernels = kernels or default_kernels()
+    b = _ProgramBuilder()
+    x = b.graph.placeholder("x")
+    weight = b.graph.placeholder("weight")
+    bias = b.graph.placeholder("bias")
+    activation = b.graph.placeholder("activation", default_value="silu")
+    cu_seqlens = b.buffer("cu_seqlens", layout.seq_row_start)
+    context = None
+    rows = conv_context_rows(layout, width)
+    if width > 1 and np.any(rows >= 0):
+        padded = b.call(torch.nn.functional.pad, (x, (0, 0, 1, 0)), name="x_with_zero_row")
+        flat = b.call(torch.index_select, (padded, 0, b.buffer("context_rows", rows.reshape(-1) + 1)), name="context_rows")
+        context = b.call(torch.reshape, (flat, (layout.num_sequences, width - 1, -1)), name="context")
+    y = b.call(kernels.causal_conv1d, (x, weight, bias, cu_seqlens), {"context": context, "activation": activation}, name="y")
+    return b.finish(y, "CausalConvView")
+
+
+def attention_kv_rows(layout: MicrobatchLayout) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of every sequence's key/value view (ancestors then own rows) and its offsets."""
+    parts, lengths = [], []
+    for sequence in range(layout.num_sequences):
+        ancestors, own = layout.ancestor_rows_of(sequence), layout.sequence_rows(sequence)
+        parts.extend((ancestors, own))
+        lengths.append(ancestors.size + own.size)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)), offsets
+
+
+def build_attention_program(layout: MicrobatchLayout, kernels=None) -> torch.fx.GraphModule:
+    """Compact queries against gathered ancestor + own keys/values, bottom-right causal."""
+    kernels = kernels or default_kernels()
+    b = _ProgramBuilder()
+    q = b.graph.placeholder("q")
+    k = b.graph.placeholder("k")
+    v = b.graph.placeholder("v")
+    scale = b.graph.placeholder("scale")
+    rows, kv_offsets = attention_kv_rows(layout)
+    index = None if _is_range(rows) and rows[0] == 0 else b.buffer("kv_rows", rows)
+    k_view = k if index is None else b.call(torch.index_select, (k, 0, index), name="k_view")
+    v_view = v if index is None else b.call(torch.index_select, (v, 0, index), name="v_view")
+    cu_q = b.buffer("cu_seqlens_q", layout.seq_row_start)
+    cu_k = b.buffer("cu_seqlens_k", kv_offsets)
+    o = b.call(kernels.attention, (q, k_view, v_view, cu_q, cu_k), {"scale": scale, "causal": True}, name="o")
+    return b.finish(o, "AttentionView")
+
+
+def log_prob_rows(layout: MicrobatchLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For every non-final semantic position (member order, then position): its logit row,
+    the row holding its next token, and per member the offsets into that list."""
+    offsets = layout.trajectory_offsets
+    keep = np.ones(layout.semantic_tokens, dtype=bool)
+    keep[offsets[1:] - 1] = False  # the last position of a trajectory predicts nothing
+    nxt = np.zeros(layout.semantic_tokens, dtype=bool)
+    nxt[offsets[:-1]] = True
+    rows = layout.trajectory_rows[keep]
+    next_rows = layout.trajectory_rows[~nxt]
+    counts = np.diff(offsets) - 1
+    out_offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=out_offsets[1:])
+    return rows, next_rows, out_offsets
+
+
+def build_log_prob_program(layout: MicrobatchLayout) -> torch.fx.GraphModule:
+    """Compact-to-semantic log-probs (Eq. 17-19) for every member trajectory, member-major."""
+    from harts.runtime.logprobs import compact_log_probs
+
+    b = _ProgramBuilder()
+    hidden = b.graph.placeholder("hidden")
+    input_ids = b.graph.placeholder("input_ids")
+    weight = b.graph.placeholder("weight")
+    bias = b.graph.placeholder("bias", default_value=None)
+    with_entropy = b.graph.placeholder("with_entropy", default_value=False)
+    row_chunk = b.graph.placeholder("row_chunk", default_value=None)
+    rows, next_rows, _ = log_prob_rows(layout)
+    targets = b.call(torch.index_select, (input_ids, 0, b.buffer("next_token_rows", next_rows)), name="targets")
+    result = b.call(
+        compact_log_probs,
+        (hidden, weight, bias, b.buffer("logit_rows", rows), targets),
+        {"with_entropy": with_entropy, "row_chunk": row_chunk},
+        name="mapped",
+    )
+    log_probs = b.call(operator.getitem, (result, 0), name="log_probs")
+    entropy = b.call(operator.getitem, (result, 1), name="entropy")
+    return b.finish((log_probs, entropy), "CompactLogProbs")
+
+
+def cached_program(layout: MicrobatchLayout, kind: str, device: torch.device | str | None = None, kernels=None, **options) -> torch.fx.GraphModule:
+    """The program of ``kind`` ('linear_attention', 'conv', 'attention', 'log_probs') for a layout, built once per device."""
+    key = (kind, tuple(sorted(options.items())), str(device), id(kernels) if kernels is not None else None)
+    program = layout.cache.get(key)
+    if program is None:
+        if kind == "linear_attention":
+            program = build_linear_attention_program(layout, kernels)
+        elif kind == "conv":
+            program = build_conv_program(layout, options["width"], kernels)
+        elif kind == "attention":
+            program = build_attention_program(layout, kernels)
+        elif kind == "log_probs":
+            program = build_log_prob_program(layout)
+        else:
+            raise ValueError(f"unknown program kind {kind!r}; expected linear_attention, conv, attention or log_probs")
+        if device is not None:
+            program = program.to(device)
+        layout.cache[key] = program
+    return program
+
+
+def _describe(program: torch.fx.GraphModule) -> str:
+    lines = []
+    for name, tensor in program.named_buffers():
+        preview = tensor.tolist()[:12]
+        more = ", ..." if tensor.numel() > 12 else ""
+        lines.append(f"#   {name}: int64[{tensor.numel()}] = {str(preview)[1:-1]}{more}")
+    return "\n".join(lines)
+
+
+def render_programs(layout: MicrobatchLayout, conv_width: int = 4) -> str:
+    """The generated programs of one microbatch as readable text (for IR dumps)."""
+    header = (
+        f"# microbatch {layout.microbatch}: {layout.num_rows} compact rows, {layout.semantic_tokens} semantic positions, "
+        f"{layout.num_sequences} sequences in {layout.num_rounds} rounds, {layout.num_exports} exported states, "
+        f"{layout.replay_tokens} replay rows, chunk size {layout.chunk_size}\n"
+    )
+    parts = [header]
+    for title, program in (
+        ("linear attention", build_linear_attention_program(layout)),
+        (f"causal convolution (width {conv_width})", build_conv_program(layout, conv_width)),
+        ("attention", build_attention_program(layout)),
+        ("log-probs", build_log_prob_program(layout)),
+    ):
+        parts.append(f"# --- {title}: {type(program).__name__}\n")
+        described = _describe(program)
+        if described:
+            parts.append(described + "\n")
+        parts.append(program.code.strip("\n") + "\n\n")
+    return "".join(parts)

@@ -1,0 +1,265 @@
+"""Public runtime entry points: per-token log-probs of a batch, with a plan or trajectory-wise.
+
+``log_probs(model, plan, batch)`` runs every microbatch of a compiled plan on its compact
+layout (:class:`~harts.runtime.tree_view.TreeView`), computes log-probs per compact row and
+maps them to semantic positions; ``log_probs_baseline(model, batch)`` expands every
+trajectory and runs it as its own packed sequence (:class:`~harts.runtime.view.BaselineView`)
+through the same model and kernels. Both return a :class:`LogProbOutput` in the user's
+trajectory order: ``out.log_probs[i][t] = log p(tokens_i[t+1] | tokens_i[:t+1])``.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+from torch import nn
+
+from harts.codegen.fx import cached_program, log_prob_rows
+from harts.codegen.layout import MicrobatchLayout
+from harts.errors import PlanArtifactError, RolloutInputError
+from harts.ir.nodes import Module, Phase
+from harts.runtime.logprobs import compact_log_probs
+from harts.runtime.moe import MoEStats
+from harts.runtime.tree_view import TreeView
+from harts.runtime.view import BaselineView
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LogProbOutput", "MicrobatchOutput", "log_probs", "log_probs_baseline", "microbatch_log_probs"]
+
+
+@attrs.frozen(eq=False)
+class LogProbOutput:
+    """Per-token log-probs of a batch in original order, with the run's MoE statistics.
+
+    ``log_probs[i]`` has ``len(tokens_i) - 1`` entries; ``packed`` is their concatenation and
+    ``cu_seqlens`` [N + 1] its offsets (the list entries are views of ``packed``).
+    ``entropy`` (if asked for) is laid out the same way. ``rows`` counts the hidden rows
+    the model executed (C for a plan, S for the baseline).
+    """
+
+    log_probs: list[torch.Tensor]
+    packed: torch.Tensor
+    cu_seqlens: torch.Tensor
+    moe: MoEStats
+    entropy: list[torch.Tensor] | None = None
+    packed_entropy: torch.Tensor | None = None
+    rows: int = 0
+
+
+@attrs.frozen(eq=False)
+class MicrobatchOutput:
+    """One microbatch's log-probs, member-major: ``trajectories[j]`` owns ``log_probs[offsets[j]:offsets[j+1]]``."""
+
+    trajectories: tuple[int, ...]
+    offsets: np.ndarray
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+    moe: MoEStats
+    rows: int
+
+
+def _module_of(plan: Any) -> Module:
+    module = plan.module if hasattr(plan, "module") else plan
+    if not isinstance(module, Module):
+        raise TypeError(f"expected a harts Plan or a rounded IR Module, got {type(plan).__name__}")
+    return module
+
+
+def _layout(plan: Any, microbatch: int) -> MicrobatchLayout:
+    if hasattr(plan, "layout"):
+        return plan.layout(microbatch)
+    return MicrobatchLayout.build(plan, microbatch)
+
+
+def _check_plan_matches(module: Module, batch) -> None:
+    if module.phase < Phase.ROUNDED:
+        raise PlanArtifactError(f"the plan is at phase {module.phase}; running it needs a rounded plan (compile with the full pipeline)")
+    if batch.content_hash() != module.input_hash:
+        raise PlanArtifactError(
+            f"the plan was compiled for batch {module.input_hash[:20]}..., not for this batch ({batch.content_hash()[:20]}...)"
+        )
+
+
+def _has_linear_head(model: nn.Module) -> bool:
+    """True when logits are exactly ``lm_head(hidden)`` with an ``nn.Linear`` head."""
+    from harts.runtime.model import HybridModel
+
+    logits = getattr(type(model), "logits", None)
+    return isinstance(getattr(model, "lm_head", None), nn.Linear) and (logits is None or logits is HybridModel.logits)
+
+
+def _log_probs_from_hidden(model, hidden, input_ids, rows, next_rows, with_entropy, row_chunk):
+    """Compact-to-semantic log-probs of positions whose logit rows are ``rows`` and next tokens sit at ``next_rows``."""
+    targets = input_ids.index_select(0, next_rows)
+    if _has_linear_head(model):
+        head = model.lm_head
+        return compact_log_probs(hidden, head.weight, head.bias, rows, targets, with_entropy=with_entropy, row_chunk=row_chunk)
+    # A custom head: its logits are still formed once per row, never per position.
+    logits = model.logits(hidden)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    normaliser = torch.logsumexp(logits, dim=-1)
+    log_probs = logits[rows, targets] - normaliser.index_select(0, rows)
+    entropy = None
+    if with_entropy:
+        probs = torch.softmax(logits, dim=-1)
+        entropy = (normaliser - (probs * logits).sum(-1)).index_select(0, rows)
+    return log_probs, entropy
+
+
+def microbatch_log_probs(
+    model: nn.Module,
+    plan: Any,
+    batch,
+    microbatch: int,
+    *,
+    recompute: bool = False,
+    with_entropy: bool = False,
+    row_chunk: int | None = None,
+    kernels: ModuleType | None = None,
+) -> MicrobatchOutput:
+    """Run one microbatch of a compiled plan (e.g. one step of gradient accumulation)."""
+    module = _module_of(plan)
+    _check_plan_matches(module, batch)
+    layout = _layout(plan, microbatch)
+    device = next(model.parameters()).device
+    view = TreeView(layout, device=device, kernels=kernels)
+    input_ids = view.input_ids(batch.tokens)
+    hidden, moe = model.forward_hidden(input_ids, view, recompute=recompute)
+    rows, next_rows, offsets = log_prob_rows(layout)
+    if _has_linear_head(model):
+        head = model.lm_head
+        program = cached_program(layout, "log_probs", device)
+        values, entropy = program(hidden, input_ids, head.weight, head.bias, with_entropy, row_chunk)
+    else:
+        rows_t, next_t = (torch.as_tensor(r, device=device) for r in (rows, next_rows))
+        values, entropy = _log_probs_from_hidden(model, hidden, input_ids, rows_t, next_t, with_entropy, row_chunk)
+    return MicrobatchOutput(
+        trajectories=tuple(int(t) for t in layout.trajectories),
+        offsets=offsets,
+        log_probs=values,
+        entropy=entropy,
+        moe=moe,
+        rows=layout.num_rows,
+    )
+
+
+def _assemble(batch, outputs: list[MicrobatchOutput], with_entropy: bool) -> LogProbOutput:
+    count = len(batch.tokens)
+    owner: list[tuple[int, int] | None] = [None] * count
+    for k, output in enumerate(outputs):
+        for j, trajectory in enumerate(output.trajectories):
+            if owner[trajectory] is not None:
+                raise PlanArtifactError(f"trajectory {trajectory} belongs to two microbatches")
+            owner[trajectory] = (k, j)
+    missing = [i for i, o in enumerate(owner) if o is None]
+    if missing:
+        raise PlanArtifactError(f"trajectory {missing[0]} belongs to no microbatch of the plan")
+
+    def gather(select) -> torch.Tensor:
+        pieces = []
+        for k, j in owner:
+            output = outputs[k]
+            pieces.append(select(output)[int(output.offsets[j]) : int(output.offsets[j + 1])])
+        return torch.cat(pieces)
+
+    packed = gather(lambda o: o.log_probs)
+    lengths = [len(t) - 1 for t in batch.tokens]
+    cu_seqlens = torch.zeros(count + 1, dtype=torch.long)
+    cu_seqlens[1:] = torch.cumsum(torch.as_tensor(lengths, dtype=torch.long), 0)
+    packed_entropy = gather(lambda o: o.entropy) if with_entropy else None
+    moe = outputs[0].moe
+    for output in outputs[1:]:
+        moe = MoEStats.merge(moe, output.moe)
+    return LogProbOutput(
+        log_probs=list(packed.split(lengths)),
+        packed=packed,
+        cu_seqlens=cu_seqlens,
+        moe=moe,
+        entropy=list(packed_entropy.split(lengths)) if with_entropy else None,
+        packed_entropy=packed_entropy,
+        rows=sum(o.rows for o in outputs),
+    )
+
+
+def log_probs(
+    model: nn.Module,
+    plan: Any,
+    batch,
+    recompute: bool = False,
+    *,
+    with_entropy: bool = False,
+    row_chunk: int | None = None,
+    kernels: ModuleType | None = None,
+) -> LogProbOutput:
+    """Per-token log-probs of ``batch`` under ``model``, executing the compiled ``plan``.
+
+    Every microbatch runs on its compact layout; each trajectory's log-probs come from the
+    one microbatch that holds it. Differentiable w.r.t. the model's parameters; MoE
+    statistics are summed over microbatches.
+    """
+    module = _module_of(plan)
+    _check_plan_matches(module, batch)
+    outputs = [
+        microbatch_log_probs(model, plan, batch, mb.index, recompute=recompute, with_entropy=with_entropy, row_chunk=row_chunk, kernels=kernels)
+        for mb in module.microbatches
+    ]
+    return _assemble(batch, outputs, with_entropy)
+
+
+def _baseline_groups(batch, microbatches) -> tuple[list[list[int]], int | None]:
+    if microbatches is None:
+        return [list(range(len(batch.tokens)))], None
+    if hasattr(microbatches, "module") or isinstance(microbatches, Module):
+        module = _module_of(microbatches)
+        if module.microbatches is None:
+            raise PlanArtifactError(f"the plan at phase {module.phase} has no microbatches")
+        return [list(mb.trajectories) for mb in module.microbatches], module.chunk_size
+    groups = [[int(i) for i in group] for group in microbatches]
+    for group in groups:
+        for i in group:
+            if not 0 <= i < len(batch.tokens):
+                raise RolloutInputError(f"microbatch membership names trajectory {i}, but the batch has {len(batch.tokens)}")
+    return groups, None
+
+
+def log_probs_baseline(
+    model: nn.Module,
+    batch,
+    recompute: bool = False,
+    microbatches: Any = None,
+    *,
+    with_entropy: bool = False,
+    chunk_size: int | None = None,
+    row_chunk: int | None = None,
+    kernels: ModuleType | None = None,
+) -> LogProbOutput:
+    """Trajectory-wise baseline: every trajectory expanded and run as its own packed sequence.
+
+    ``microbatches``: None (one microbatch), a plan (its microbatch membership and chunk
+    size) or a list of trajectory-index lists. ``chunk_size`` defaults to the plan's, else
+    the model config's.
+    """
+    groups, plan_chunk = _baseline_groups(batch, microbatches)
+    chunk = chunk_size or plan_chunk or model.config.chunk_size
+    device = next(model.parameters()).device
+    outputs = []
+    for group in groups:
+        members = sorted(group)
+        lengths = [len(batch.tokens[i]) for i in members]
+        view = BaselineView(lengths, chunk, device, kernels=kernels)
+        input_ids = torch.as_tensor(np.concatenate([batch.tokens[i] for i in members]), dtype=torch.long, device=device)
+        hidden, moe = model.forward_hidden(input_ids, view, recompute=recompute)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        rows = np.concatenate([s + np.arange(n - 1) for s, n in zip(starts, lengths)]).astype(np.int64)
+        offsets = np.zeros(len(members) + 1, dtype=np.int64)
+        np.cumsum([n - 1 for n in lengths], out=offsets[1:])
+        rows_t = torch.as_tensor(rows, device=device)
+        values, entropy = _log_probs_from_hidden(model, hidden, input_ids, rows_t, rows_t + 1, with_entropy, row_chunk)
+        outputs.append(MicrobatchOutput(tuple(members), offsets, values, entropy, moe, int(sum(lengths))))
+    return _assemble(batch, outputs, with_entropy)

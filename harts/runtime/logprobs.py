@@ -1,0 +1,169 @@
+"""Compact-to-semantic log-probabilities (§3.5, Eq. 17-19).
+
+A compact row c holds the hidden state of every semantic position s with m(s) = c. Its
+logit row z_c is needed once for the vocabulary-wide normaliser; each position then only
+reads one scalar, its own target's logit::
+
+    lambda_s = z[m(s), y_s] - logsumexp(z[m(s)])
+
+:class:`CompactLogProbs` computes this straight from the hidden rows and the LM-head
+weight, a block of rows at a time, so the largest vocabulary-sized buffer is
+``row_chunk x V`` (never ``S x V``, not even ``C x V`` unless one block covers every row).
+Backward recomputes each block's logits and forms its gradient once, accumulating the
+contributions of every position that reads the row (Eq. 19)::
+
+    dL/dz_c = sum_{s: m(s)=c} g_s * (onehot(y_s) - softmax(z_c))
+
+The optional entropy of each row's distribution, H_c = logsumexp(z_c) - E_p[z_c], is mapped
+to positions the same way (its gradient is -p * (z - E_p[z])).
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Vocabulary-sized elements of one row block (with ~3 such buffers alive in backward).
+DEFAULT_BLOCK_ELEMENTS = 1 << 24
+
+
+def default_row_chunk(num_rows: int, vocab_size: int) -> int:
+    return max(1, min(max(num_rows, 1), DEFAULT_BLOCK_ELEMENTS // max(vocab_size, 1)))
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _block_logits(hidden_block, weight, bias, dtype):
+    logits = hidden_block.to(dtype) @ weight.to(dtype).t()
+    if bias is not None:
+        logits = logits + bias.to(dtype)
+    return logits
+
+
+def _blocks(num_rows: int, row_chunk: int):
+    for start in range(0, num_rows, row_chunk):
+        yield start, min(num_rows, start + row_chunk)
+
+
+class CompactLogProbs(torch.autograd.Function):
+    """(hidden [C, D], weight [V, D], bias [V] | None, rows [P], targets [P]) -> (log-probs [P], entropy [P] | None)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, rows, targets, with_entropy, row_chunk):
+        dtype = _compute_dtype(hidden.dtype)
+        num_rows = hidden.shape[0]
+        order = torch.argsort(rows, stable=True)
+        sorted_rows = rows.index_select(0, order)
+        block_bounds = torch.searchsorted(sorted_rows, torch.arange(0, num_rows + row_chunk, row_chunk, device=rows.device)).tolist()
+        lse = hidden.new_empty(num_rows, dtype=dtype)
+        entropy_rows = hidden.new_empty(num_rows, dtype=dtype) if with_entropy else None
+        target_logits = hidden.new_empty(rows.shape[0], dtype=dtype)
+        for block, (start, end) in enumerate(_blocks(num_rows, row_chunk)):
+            logits = _block_logits(hidden[start:end], weight, bias, dtype)  # [b, V]
+            block_lse = torch.logsumexp(logits, dim=-1)
+            lse[start:end] = block_lse
+            if with_entropy:
+                probs = torch.exp(logits - block_lse[:, None])
+                entropy_rows[start:end] = block_lse - (probs * logits).sum(-1)
+                del probs
+            first, last = block_bounds[block], block_bounds[block + 1]
+            if last > first:
+                positions = order[first:last]
+                target_logits[positions] = logits[sorted_rows[first:last] - start, targets.index_select(0, positions)]
+            del logits
+        log_probs = target_logits - lse.index_select(0, rows)
+        entropy = entropy_rows.index_select(0, rows) if with_entropy else None
+        ctx.save_for_backward(hidden, weight, bias, rows, targets, lse, order, sorted_rows)
+        ctx.block_bounds = block_bounds
+        ctx.row_chunk = row_chunk
+        ctx.with_entropy = with_entropy
+        ctx.has_bias = bias is not None
+        return log_probs, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_log_probs, grad_entropy):
+        hidden, weight, bias, rows, targets, lse, order, sorted_rows = ctx.saved_tensors
+        dtype = lse.dtype
+        num_rows = hidden.shape[0]
+        row_grad = torch.zeros(num_rows, dtype=dtype, device=hidden.device)
+        if grad_log_probs is not None:
+            grad_log_probs = grad_log_probs.to(dtype)
+            row_grad.index_add_(0, rows, grad_log_probs)
+        entropy_grad = None
+        if ctx.with_entropy and grad_entropy is not None:
+            entropy_grad = torch.zeros(num_rows, dtype=dtype, device=hidden.device)
+            entropy_grad.index_add_(0, rows, grad_entropy.to(dtype))
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if (need_bias and ctx.has_bias) else None
+        for block, (start, end) in enumerate(_blocks(num_rows, ctx.row_chunk)):
+            block_hidden = hidden[start:end].to(dtype)
+            logits = _block_logits(block_hidden, weight, bias, dtype)
+            probs = torch.exp(logits - lse[start:end, None])
+            grad_logits = probs * (-row_grad[start:end, None])
+            if entropy_grad is not None:
+                expected = (probs * logits).sum(-1, keepdim=True)
+                grad_logits -= entropy_grad[start:end, None] * probs * (logits - expected)
+            del logits, probs
+            first, last = ctx.block_bounds[block], ctx.block_bounds[block + 1]
+            if grad_log_probs is not None and last > first:
+                positions = order[first:last]
+                grad_logits.index_put_(
+                    (sorted_rows[first:last] - start, targets.index_select(0, positions)),
+                    grad_log_probs.index_select(0, positions),
+                    accumulate=True,
+                )
+            if grad_hidden is not None:
+                grad_hidden[start:end] = (grad_logits @ weight.to(dtype)).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight += grad_logits.t() @ block_hidden
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(0)
+            del grad_logits
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def compact_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    with_entropy: bool = False,
+    row_chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and optionally entropies) of ``P`` positions read from ``C`` compact rows.
+
+    Args:
+        hidden: [C, D] final hidden rows; weight: [V, D] and bias: [V] or None, the LM head.
+        rows: [P] the compact row m(s) of each position; targets: [P] its next token y_s.
+        with_entropy: also return each position's predictive entropy.
+        row_chunk: rows per vocabulary block (default: about 16M logits per block).
+    Returns:
+        log_probs [P] (in at least float32), entropy [P] or None; differentiable w.r.t.
+        hidden, weight and bias.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"hidden must be [C, D] and weight [V, D]; got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if rows.shape != targets.shape or rows.dim() != 1:
+        raise ValueError(f"rows and targets must be 1-D of one length; got {tuple(rows.shape)} and {tuple(targets.shape)}")
+    rows = rows.to(device=hidden.device, dtype=torch.long)
+    targets = targets.to(device=hidden.device, dtype=torch.long)
+    if rows.numel():
+        if int(rows.min()) < 0 or int(rows.max()) >= hidden.shape[0]:
+            raise ValueError(f"rows must lie in [0, {hidden.shape[0]})")
+        if int(targets.min()) < 0 or int(targets.max()) >= weight.shape[0]:
+            bad = int(targets.max()) if int(targets.max()) >= weight.shape[0] else int(targets.min())
+            raise ValueError(f"target token {bad} is outside the vocabulary [0, {weight.shape[0]})")
+    chunk = row_chunk if row_chunk is not None else default_row_chunk(hidden.shape[0], weight.shape[0])
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"row_chunk must be a positive int, got {row_chunk!r}")
+    return CompactLogProbs.apply(hidden, weight, bias, rows, targets, bool(with_entropy), chunk)

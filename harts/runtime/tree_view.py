@@ -1,0 +1,93 @@
+"""TreeView: the execution view of a compiled microbatch (§3.4, §4.2).
+
+The hidden tensor of a layer holds the microbatch's C compact rows in the layout's
+physical order (round, then sequence, then position). Token-wise work runs once per row;
+the three sequence operators run the torch.fx programs generated from the layout
+(:mod:`harts.codegen.fx`), with this layer's tensors:
+
+* linear attention: one packed chunkwise call per round; replay rows are gathered from
+  ancestors' existing rows, initial states are zero or boundary states exported by an
+  earlier round (in the autograd graph, so their gradients reach the producing call);
+* causal convolution: each sequence is preceded by its true ancestors' last ``w - 1`` rows;
+* attention: each sequence's queries against its gathered ancestor + own keys/values,
+  bottom-right causal.
+
+Gathers are ``index_select``: when several sequences read one row, backward sums their
+gradients into it. ``row_weight`` is each row's multiplicity q.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from harts.codegen.fx import cached_program
+from harts.codegen.layout import MicrobatchLayout
+
+__all__ = ["TreeView"]
+
+
+class TreeView:
+    """Execution view over one microbatch's compact layout.
+
+    Args:
+        layout: the microbatch's :class:`~harts.codegen.layout.MicrobatchLayout`.
+        chunk_size: B of the linear-attention kernel; must equal the plan's (None: the plan's).
+        device: where index tensors and programs live.
+        kernels: module with ``chunk_linear_attention``, ``causal_conv1d`` and ``attention``
+            (default: the pure-torch reference kernels).
+    """
+
+    def __init__(
+        self,
+        layout: MicrobatchLayout,
+        chunk_size: int | None = None,
+        device: torch.device | str | None = None,
+        *,
+        kernels: ModuleType | None = None,
+    ):
+        if chunk_size is not None and chunk_size != layout.chunk_size:
+            raise ValueError(
+                f"TreeView: chunk_size {chunk_size} differs from the plan's chunk size {layout.chunk_size}; "
+                "replay anchors and exported states sit on the plan's chunk grid"
+            )
+        self.layout = layout
+        self.chunk_size = layout.chunk_size
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.kernels = kernels
+        self.num_rows = layout.num_rows
+        self.positions = torch.as_tensor(layout.row_position, dtype=torch.long).to(self.device)
+        self.row_weight = torch.as_tensor(layout.row_multiplicity).to(self.device, torch.get_default_dtype())
+
+    def __repr__(self) -> str:
+        layout = self.layout
+        return (
+            f"TreeView(microbatch={layout.microbatch}, rows={layout.num_rows}, sequences={layout.num_sequences}, "
+            f"rounds={layout.num_rounds}, chunk_size={self.chunk_size})"
+        )
+
+    def program(self, kind: str, **options) -> torch.fx.GraphModule:
+        """The generated program of one operator kind (see :func:`harts.codegen.fx.cached_program`)."""
+        return cached_program(self.layout, kind, self.device, self.kernels, **options)
+
+    def input_ids(self, tokens) -> torch.Tensor:
+        """[C] token ids of the rows, from the batch's per-trajectory token arrays."""
+        return torch.as_tensor(self.layout.input_ids(tokens), dtype=torch.long).to(self.device)
+
+    def causal_conv(self, x, weight, bias, activation):
+        self._check_rows(x, "causal_conv x")
+        return self.program("conv", width=int(weight.shape[-1]))(x, weight, bias, activation)
+
+    def linear_attention(self, q, k, v, log_decay, beta, *, scale):
+        self._check_rows(q, "linear_attention q")
+        return self.program("linear_attention")(q, k, v, log_decay, beta, scale)
+
+    def attention(self, q, k, v, *, scale):
+        self._check_rows(q, "attention q")
+        return self.program("attention")(q, k, v, scale)
+
+    def _check_rows(self, tensor: torch.Tensor, what: str) -> None:
+        if tensor.shape[0] != self.num_rows:
+            raise ValueError(f"TreeView of microbatch {self.layout.microbatch}: {what} has {tensor.shape[0]} rows, expected {self.num_rows}")
+
