@@ -18,13 +18,12 @@ from harts.batch import RolloutBatch
 logger = logging.getLogger(__name__)
 
 
-def _advantages(batch: RolloutBatch) -> np.ndarray:
-    for name in ("advantages", "advantage"):
-        if name in batch.trajectory_fields or name in batch.token_fields:
-            values = batch.trajectory_fields.get(name)
-            return values if values is not None else batch.token_fields[name]
-    from harts.rl import group_advantages
+def _advantages(batch: RolloutBatch):
+    """The batch's advantages, or GRPO group-relative ones from its rewards when it has none."""
+    from harts.rl import ADVANTAGE_FIELDS, group_advantages
 
+    if any(name in batch.trajectory_fields or name in batch.token_fields for name in ADVANTAGE_FIELDS):
+        return None
     rewards = batch.trajectory_fields.get("reward", np.zeros(len(batch)))
     groups = batch.trajectory_fields.get("group_id", np.asarray(batch.tree_ids))
     return group_advantages(rewards, groups)

@@ -8,7 +8,7 @@ Artifact layout (a directory)::
     PLAN/tensors.safetensors   per-microbatch index tensors of the compact physical layout
 
 or a single ``*.safetensors`` file holding the tensors, with manifest and IR in its
-metadata. Loading checks the schema version and every digest: a truncated or edited
+metadata (one key, ``harts``). Loading checks the schema version and every digest: a truncated or edited
 artifact fails with :class:`~harts.errors.PlanArtifactError`, never yields a wrong plan.
 Saving writes to a temporary sibling and renames it into place.
 """
@@ -219,7 +219,10 @@ class Plan:
         tensors = self.index_tensors()
         if path.suffix == ".safetensors":
             manifest = self.manifest(ir_text, _tensor_payload(tensors))
-            data = save_tensors(tensors, metadata={"harts_manifest": _dumps(manifest), "harts_ir": ir_text})
+            # One metadata key: safetensors keeps metadata in a hash map, so several keys would
+            # be written in a varying order and break byte-identical artifacts.
+            payload = json.dumps({"manifest": manifest, "ir": ir_text}, sort_keys=True)
+            data = save_tensors(tensors, metadata={"harts": payload})
             _atomic_write_file(path, data)
             return path
         tensor_bytes = save_tensors(tensors)
@@ -339,13 +342,16 @@ def load_plan(path: str | os.PathLike) -> Plan:
                 tensors = load_file(str(path))
             except Exception as error:  # safetensors raises several types for damaged headers
                 raise PlanArtifactError(f"{path}: not a readable plan file ({error})") from None
-            if "harts_manifest" not in metadata or "harts_ir" not in metadata:
+            if "harts" not in metadata:
                 raise PlanArtifactError(f"{path}: no HARTS manifest in the file metadata")
             try:
-                manifest = _check_manifest(json.loads(metadata["harts_manifest"]), path)
+                payload = json.loads(metadata["harts"])
             except json.JSONDecodeError as error:
                 raise PlanArtifactError(f"{path}: manifest is not JSON ({error})") from None
-            ir_text = metadata["harts_ir"]
+            if not isinstance(payload, dict) or not isinstance(payload.get("ir"), str):
+                raise PlanArtifactError(f"{path}: the file metadata does not hold a HARTS manifest and IR")
+            manifest = _check_manifest(payload.get("manifest"), path)
+            ir_text = payload["ir"]
             if hashlib.sha256(_tensor_payload(tensors)).hexdigest() != manifest.get("tensors_sha256"):
                 raise PlanArtifactError(f"{path}: index tensors were edited (digest mismatch)")
         if hashlib.sha256(ir_text.encode()).hexdigest() != manifest.get("ir_sha256"):

@@ -43,6 +43,7 @@ __all__ = [
 ]
 
 REDUCTIONS = ("token-mean", "seq-mean", "seq-mean-token-sum", "sum")
+ADVANTAGE_FIELDS = ("advantages", "advantage")
 OLD_LOG_PROB_FIELDS = ("old_log_probs", "old_logprobs", "behavior_log_probs")
 REF_LOG_PROB_FIELDS = ("ref_log_probs", "ref_logprobs", "reference_log_probs")
 
@@ -220,7 +221,7 @@ def ppo_loss(
     return policy_loss(
         log_probs,
         cu_seqlens=cu_seqlens,
-        advantages=_metadata_or_field(advantages, batch, ("advantages",), "advantages", True),
+        advantages=_metadata_or_field(advantages, batch, ADVANTAGE_FIELDS, "advantages", True),
         loss_mask=_metadata_or_field(loss_mask, batch, ("loss_mask",), "loss_mask", False),
         old_log_probs=_metadata_or_field(old_log_probs, batch, OLD_LOG_PROB_FIELDS, "old_log_probs", False),
         clip_eps=clip_eps,
@@ -251,7 +252,7 @@ def grpo_loss(
     return policy_loss(
         log_probs,
         cu_seqlens=cu_seqlens,
-        advantages=_metadata_or_field(advantages, batch, ("advantages",), "advantages", True),
+        advantages=_metadata_or_field(advantages, batch, ADVANTAGE_FIELDS, "advantages", True),
         loss_mask=_metadata_or_field(loss_mask, batch, ("loss_mask",), "loss_mask", False),
         old_log_probs=_metadata_or_field(old_log_probs, batch, OLD_LOG_PROB_FIELDS, "old_log_probs", False),
         ref_log_probs=_metadata_or_field(ref_log_probs, batch, REF_LOG_PROB_FIELDS, "ref_log_probs", bool(kl_coef)),

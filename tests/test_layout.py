@@ -243,10 +243,27 @@ def test_layout_rejects_unrounded_modules_and_damaged_tensors():
         MicrobatchLayout.build(module, 7)
     tensors = MicrobatchLayout.build(module, 0).to_tensors()
     with pytest.raises(PlanArtifactError, match="ancestor_rows"):
-        MicrobatchLayout.from_tensors({k: v for k, v in tensors.items() if k != "ancestor_rows"})
-    damaged = dict(tensors, seq_row_start=tensors["seq_row_start"][:-1])
+        MicrobatchLayout.from_tensors({k: v for k, v in tensors.items() if k != "ancestor_rows.run_start"})
+    shortened = tensors["seq_row_start.run_length"].copy()
+    shortened[-1] -= 1
+    if shortened[-1] == 0:
+        damaged = {k: (v[:-1] if k.startswith("seq_row_start.") else v) for k, v in tensors.items()}
+    else:
+        damaged = dict(tensors, **{"seq_row_start.run_length": shortened})
     with pytest.raises(PlanArtifactError, match="seq_row_start"):
         MicrobatchLayout.from_tensors(damaged)
+
+
+@given(st.lists(st.integers(-5, 40), max_size=60))
+def test_arithmetic_runs_round_trip(values):
+    from harts.codegen.layout import decode_arithmetic_runs, encode_arithmetic_runs
+
+    array = np.asarray(values, dtype=np.int64)
+    starts, steps, lengths = encode_arithmetic_runs(array)
+    assert np.array_equal(decode_arithmetic_runs(starts, steps, lengths), array)
+    assert len(starts) <= max(1, len(array))
+    consecutive = np.arange(10_000, dtype=np.int64)
+    assert len(encode_arithmetic_runs(np.concatenate([consecutive, consecutive]))[0]) == 2
 
 
 # ------------------------------------------------------------------------------ programs

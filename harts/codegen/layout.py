@@ -44,7 +44,45 @@ from harts.ir.nodes import Microbatch, Module, Phase
 
 logger = logging.getLogger(__name__)
 
-LAYOUT_FORMAT_VERSION = 1
+LAYOUT_FORMAT_VERSION = 2
+
+
+def encode_arithmetic_runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split ``values`` into maximal runs with a constant step: (first value, step, length) each.
+
+    Row maps are long runs of consecutive rows or repeated values, so a full SWE-like step's
+    arrays (tens of millions of entries) shrink to thousands of runs.
+    """
+    values = np.asarray(values, dtype=np.int64).reshape(-1)
+    count = len(values)
+    if count == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    steps = np.diff(values)
+    # next_break[j]: first diff index k >= j whose step differs from steps[j] (or len(steps)).
+    changes = np.flatnonzero(steps[1:] != steps[:-1]) + 1
+    starts, run_steps, lengths = [], [], []
+    first = 0
+    while first < count:
+        if first == count - 1:
+            starts.append(values[first]); run_steps.append(0); lengths.append(1)
+            break
+        step = steps[first]
+        later = np.searchsorted(changes, first, side="right")
+        last = int(changes[later]) if later < len(changes) else count - 1
+        starts.append(values[first]); run_steps.append(step); lengths.append(last - first + 1)
+        first = last + 1
+    return np.asarray(starts, dtype=np.int64), np.asarray(run_steps, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+
+
+def decode_arithmetic_runs(starts: np.ndarray, steps: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size and lengths.min() < 1:
+        raise PlanArtifactError("layout tensors hold a run of non-positive length")
+    total = int(lengths.sum())
+    run_of_entry = np.repeat(np.arange(len(lengths)), lengths)
+    offset_in_run = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.asarray(starts, dtype=np.int64)[run_of_entry] + np.asarray(steps, dtype=np.int64)[run_of_entry] * offset_in_run
 
 #: The arrays of a layout, in the order they are stored.
 ARRAY_FIELDS: tuple[str, ...] = (
@@ -190,23 +228,36 @@ class MicrobatchLayout:
 
     # --------------------------------------------------------------- artifact
     def to_tensors(self) -> dict[str, np.ndarray]:
-        """A flat dict of int64 arrays with stable keys (the plan artifact stores it)."""
+        """A flat dict of int64 arrays with stable keys (the plan artifact stores it).
+
+        Each layout array is stored as arithmetic runs (``<name>.run_start``, ``.run_step``,
+        ``.run_length``); :meth:`from_tensors` expands them.
+        """
         tensors = {"format_version": np.array([LAYOUT_FORMAT_VERSION], dtype=np.int64),
                    "microbatch": np.array([self.microbatch], dtype=np.int64),
                    "chunk_size": np.array([self.chunk_size], dtype=np.int64)}
         for name in ARRAY_FIELDS:
-            tensors[name] = np.ascontiguousarray(getattr(self, name), dtype=np.int64)
+            starts, steps, lengths = encode_arithmetic_runs(getattr(self, name))
+            tensors[f"{name}.run_start"] = starts
+            tensors[f"{name}.run_step"] = steps
+            tensors[f"{name}.run_length"] = lengths
         return tensors
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, Any]) -> "MicrobatchLayout":
-        missing = [name for name in ("format_version", "microbatch", "chunk_size", *ARRAY_FIELDS) if name not in tensors]
+        run_keys = [f"{name}.{part}" for name in ARRAY_FIELDS for part in ("run_start", "run_step", "run_length")]
+        missing = [name for name in ("format_version", "microbatch", "chunk_size", *run_keys) if name not in tensors]
         if missing:
             raise PlanArtifactError(f"layout tensors lack {', '.join(missing)}")
         version = int(np.asarray(tensors["format_version"]).reshape(-1)[0])
         if version != LAYOUT_FORMAT_VERSION:
             raise PlanArtifactError(f"layout format version {version} is not supported (expected {LAYOUT_FORMAT_VERSION})")
-        arrays = {name: np.asarray(tensors[name], dtype=np.int64).reshape(-1) for name in ARRAY_FIELDS}
+        arrays = {}
+        for name in ARRAY_FIELDS:
+            parts = [np.asarray(tensors[f"{name}.{part}"], dtype=np.int64).reshape(-1) for part in ("run_start", "run_step", "run_length")]
+            if not len(parts[0]) == len(parts[1]) == len(parts[2]):
+                raise PlanArtifactError(f"layout tensors of {name}: run arrays differ in length")
+            arrays[name] = decode_arithmetic_runs(*parts)
         layout = cls(
             microbatch=int(np.asarray(tensors["microbatch"]).reshape(-1)[0]),
             chunk_size=int(np.asarray(tensors["chunk_size"]).reshape(-1)[0]),
