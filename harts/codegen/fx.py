@@ -32,10 +32,10 @@ from harts.codegen.layout import MicrobatchLayout
 
 
 def default_kernels():
-    """The pure-torch reference kernels (``harts.kernels.naive``)."""
-    from harts.kernels import naive
+    """The kernel dispatch: fast kernels for CUDA inputs when Triton is present, else the references."""
+    from harts.kernels import dispatch
 
-    return naive
+    return dispatch
 
 
 class _ProgramBuilder:

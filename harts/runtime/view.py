@@ -7,8 +7,8 @@ row; the three sequence operators go through the view, which knows each row's tr
 * ``causal_conv(x, weight, bias, activation)``: depthwise causal convolution where row r
   reads the W-1 rows that precede it in its own trajectory;
 * ``linear_attention(q, k, v, log_decay, beta, scale=)``: the gated delta rule of
-  :func:`harts.kernels.naive.chunk_linear_attention`, with each trajectory's chunks aligned
-  to multiples of ``chunk_size`` of its own positions;
+  :mod:`harts.kernels.dispatch` (the references on CPU, fast kernels on CUDA), with each
+  trajectory's chunks aligned to multiples of ``chunk_size`` of its own positions;
 * ``attention(q, k, v, scale=)``: causal softmax attention of each row over the rows of
   its trajectory up to and including itself.
 
@@ -30,7 +30,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from harts.kernels import naive as naive_kernels
+from harts.kernels import dispatch as default_kernels
 
 __all__ = ["BaselineView", "ExecutionView"]
 
@@ -98,7 +98,7 @@ class BaselineView:
         self.lengths = lengths
         self.chunk_size = chunk_size
         self.device = device
-        self.kernels = kernels if kernels is not None else naive_kernels
+        self.kernels = kernels if kernels is not None else default_kernels
         self.num_rows = sum(lengths)
         length_tensor = torch.tensor(lengths, dtype=torch.long, device=device)
         self.cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.long, device=device)
