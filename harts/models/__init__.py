@@ -1,0 +1,29 @@
+"""Loaders for Hugging Face models: Qwen3-Next and Kimi Linear as HARTS hybrid models.
+
+    model = harts.models.from_hf(hf_model)                  # same math, same weights
+    state = harts.models.to_hf_state_dict(model)            # back to the transformers layout
+
+transformers is imported only when a path is loaded or a transformers config is built.
+"""
+
+from harts.models.hf import (
+    ARCHITECTURES,
+    HFModelError,
+    HFSource,
+    from_hf,
+    hf_key_map,
+    hybrid_config_from_hf,
+    to_hf_config,
+    to_hf_state_dict,
+)
+
+__all__ = [
+    "ARCHITECTURES",
+    "HFModelError",
+    "HFSource",
+    "from_hf",
+    "hf_key_map",
+    "hybrid_config_from_hf",
+    "to_hf_config",
+    "to_hf_state_dict",
+]
