@@ -31,31 +31,36 @@ MAX_TOKEN_ID = 2**32 - 1
 DEFAULT_TOKEN_FIELDS = ("loss_mask",)
 
 
-def _as_token_array(values: Any, trajectory: int) -> np.ndarray:
+def token_id_array(values: Any, where: str) -> np.ndarray:
+    """``values`` as an int64 array of token ids, or an error naming ``where`` and the bad entry.
+
+    ``where`` names the place, e.g. ``"trajectory 3: field 'tokens'"``.
+    """
     array = np.asarray(values)
     if array.ndim != 1:
-        raise RolloutInputError(
-            f"trajectory {trajectory}: field 'tokens' must be a flat list of token ids, got shape {array.shape}"
-        )
+        raise RolloutInputError(f"{where} must be a flat list of token ids, got shape {array.shape}")
     if array.size == 0:
-        raise RolloutInputError(f"trajectory {trajectory}: field 'tokens' is empty; a trajectory needs at least one token")
+        return np.empty(0, dtype=np.int64)
     if array.dtype.kind not in "iu":
         entries = list(values) if isinstance(values, (list, tuple)) else array.tolist()
         bad = next(
             (i for i, v in enumerate(entries) if isinstance(v, bool) or not isinstance(v, numbers.Integral)), 0
         )
-        raise RolloutInputError(
-            f"trajectory {trajectory}: field 'tokens' entry {bad} is {entries[bad]!r}, not an integer token id"
-        )
+        raise RolloutInputError(f"{where} entry {bad} is {entries[bad]!r}, not an integer token id")
     if array.min() < 0:
         bad = int(np.flatnonzero(array < 0)[0])
-        raise RolloutInputError(f"trajectory {trajectory}: field 'tokens' entry {bad} is {int(array[bad])}, token ids must be >= 0")
+        raise RolloutInputError(f"{where} entry {bad} is {int(array[bad])}, token ids must be >= 0")
     if array.max() > MAX_TOKEN_ID:
         bad = int(np.flatnonzero(array > MAX_TOKEN_ID)[0])
-        raise RolloutInputError(
-            f"trajectory {trajectory}: field 'tokens' entry {bad} is {int(array[bad])}, above the largest id {MAX_TOKEN_ID}"
-        )
+        raise RolloutInputError(f"{where} entry {bad} is {int(array[bad])}, above the largest id {MAX_TOKEN_ID}")
     return array.astype(np.int64, copy=False)
+
+
+def _as_token_array(values: Any, trajectory: int) -> np.ndarray:
+    array = token_id_array(values, f"trajectory {trajectory}: field 'tokens'")
+    if array.size == 0:
+        raise RolloutInputError(f"trajectory {trajectory}: field 'tokens' is empty; a trajectory needs at least one token")
+    return array
 
 
 def _is_per_token(value: Any) -> bool:

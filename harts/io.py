@@ -36,7 +36,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from harts.batch import MAX_TOKEN_ID, RolloutBatch
+from harts.batch import RolloutBatch, token_id_array
 from harts.errors import RolloutInputError
 
 logger = logging.getLogger(__name__)
@@ -109,24 +109,7 @@ def _integer(value: Any, where: str, column: str) -> int:
 def _token_array(values: Any, where: str) -> np.ndarray:
     if not _is_list(values):
         raise RolloutInputError(f"{where}: column 'token_ids' must be a list of token ids, got {values!r}")
-    if len(values) == 0:
-        return np.empty(0, dtype=np.int64)
-    array = np.asarray(values)
-    if array.ndim != 1 or array.dtype.kind not in "iu":
-        entries = values.tolist() if isinstance(values, np.ndarray) else list(values)
-        bad = next((i for i, v in enumerate(entries) if not _is_integer(v)), 0)
-        raise RolloutInputError(
-            f"{where}: column 'token_ids' entry {bad} is {entries[bad]!r}, not an integer token id"
-        )
-    if array.min() < 0:
-        bad = int(np.flatnonzero(array < 0)[0])
-        raise RolloutInputError(f"{where}: column 'token_ids' entry {bad} is {int(array[bad])}, token ids must be >= 0")
-    if array.max() > MAX_TOKEN_ID:
-        bad = int(np.flatnonzero(array > MAX_TOKEN_ID)[0])
-        raise RolloutInputError(
-            f"{where}: column 'token_ids' entry {bad} is {int(array[bad])}, above the largest id {MAX_TOKEN_ID}"
-        )
-    return array.astype(np.int64, copy=False)
+    return token_id_array(values, f"{where}: column 'token_ids'")
 
 
 def _require(row: Mapping[str, Any], column: str, where: str, nullable: bool = False) -> Any:

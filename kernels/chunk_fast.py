@@ -43,6 +43,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .state_scan import MAX_CHUNK_SIZE, MAX_HEAD_DIM, ScanLayout, state_scan
+from .naive import _check_export_chunks
 
 __all__ = ["chunk_linear_attention"]
 
@@ -91,25 +92,6 @@ def _check_inputs(q, k, v, log_decay, beta, chunk_size, initial_state, num_seque
             f"initial_state must be [N, H, K, V] = [{num_sequences}, {heads}, {key_dim}, {value_dim}]; "
             f"got {tuple(initial_state.shape)}"
         )
-
-
-def _export_requests(export_chunks, chunk_counts: np.ndarray) -> list[tuple[int, int]]:
-    if export_chunks is None:
-        return []
-    if len(export_chunks) != len(chunk_counts):
-        raise ValueError(f"export_chunks must hold one list per sequence ({len(chunk_counts)}), got {len(export_chunks)}")
-    requests = []
-    for sequence, wanted in enumerate(export_chunks):
-        for chunk in wanted:
-            if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)):
-                raise ValueError(f"export_chunks[{sequence}] holds {chunk!r}, not an int chunk count")
-            if not 1 <= chunk <= chunk_counts[sequence]:
-                raise ValueError(
-                    f"export_chunks[{sequence}] asks for the state after chunk {chunk}, "
-                    f"but sequence {sequence} has {int(chunk_counts[sequence])} chunk(s)"
-                )
-            requests.append((sequence, int(chunk)))
-    return requests
 
 
 # --------------------------------------------------------------------------- layout
@@ -309,7 +291,7 @@ def chunk_linear_attention(
     _, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     layout = _layout(bounds, chunk_size, q.device)
-    requests = _export_requests(export_chunks, layout.chunk_counts)
+    requests = _check_export_chunks(export_chunks, layout.chunk_counts)
     out_dtype = q.dtype
     f32 = torch.float32
 

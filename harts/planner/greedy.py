@@ -112,10 +112,6 @@ class Packing:
         return canonical_labels(self.labels)
 
 
-def canonical_labels(self) -> np.ndarray:
-        return canonical_labels(self.labels)
-
-
 def canonical_labels(labels: np.ndarray) -> np.ndarray:
     """Relabel groups 0..K-1 in order of their smallest rank."""
     _, first, inverse = np.unique(labels, return_index=True, return_inverse=True)
