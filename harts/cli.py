@@ -160,5 +160,14 @@ def run_command(
     print_stats(figures, title="HARTS vs trajectory-wise baseline, one GRPO step")
 
 
+@app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_command(ctx: typer.Context) -> None:
+    """Runtime benchmark: baseline vs HARTS F/B/Grad, Core, memory, fidelity (options: harts bench --help-bench)."""
+    from harts.bench import main as bench_main
+
+    arguments = ["--help" if a == "--help-bench" else a for a in ctx.args]
+    bench_main(arguments)
+
+
 if __name__ == "__main__":  # pragma: no cover
     app()

@@ -8,7 +8,7 @@
 * Dispatch, the per-sequence attention path and the grouped MoE path run in-process on CPU.
 * ``@pytest.mark.gpu`` tests repeat the comparisons on CUDA (fp32 and bf16), skipped when
   there is no GPU or no triton.
-* A smoke test runs ``benchmarks/bench_runtime.py`` at toy size on CPU with the naive kernels.
+* A smoke test runs ``harts bench`` at toy size on CPU with the naive kernels.
 
 Run the interpreter cases by hand with ``TRITON_INTERPRET=1 python tests/test_kernels_fast.py``.
 """
@@ -426,7 +426,7 @@ def test_bench_runtime_smoke_on_cpu(tmp_path):
     env = dict(os.environ, HARTS_KERNELS="naive", PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)
     completed = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "bench_runtime.py"), "--device", "cpu", "--preset", "tiny",
+        [sys.executable, "-m", "harts", "bench", "--device", "cpu", "--preset", "tiny",
          "--layers", "2", "--tokens", "800", "--scale", "0.004", "--warmup", "1", "--repeats", "1",
          "--kernels", "naive", "--out", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
