@@ -57,6 +57,7 @@ import harts
 from harts.kernels import dispatch
 from harts.rl import grpo_loss
 from harts.runtime import HybridConfig, HybridModel, log_probs_baseline, microbatch_log_probs
+from harts.runtime.ablation import NoReplayView, divergence_by_depth, fork_positions, handoff_depths
 from harts.runtime.tree_view import TreeView
 from harts.runtime.view import BaselineView
 from harts.workloads import swe_like_step
@@ -89,6 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-ablation", action="store_true", help="skip the sequence-at-a-time ablation")
     parser.add_argument("--no-fidelity", action="store_true", help="skip the logit-cosine fidelity check")
+    parser.add_argument("--no-replay-ablation", action="store_true",
+                        help="skip the replay / no-replay divergence by state-handoff depth (Eq. 25-26)")
     parser.add_argument("--fidelity-rows", type=int, default=2048, help="logit rows per block in the cosine check")
     parser.add_argument("--out", default="bench_runtime.json")
     parser.add_argument("--kernel-bench", action="store_true",
@@ -283,6 +286,21 @@ def hidden_by_trajectory_baseline(model, batch, groups, chunk_size, kernels):
     for group in groups:
         lengths = [len(batch.tokens[i]) for i in group]
         view = BaselineView(lengths, chunk_size, device, kernels=kernels)
+        ids = torch.as_tensor(np.concatenate([batch.tokens[i] for i in group]), dtype=torch.long, device=device)
+        states, _ = model.forward_hidden(ids, view)
+        for trajectory, piece in zip(group, states.split(lengths)):
+            hidden[trajectory] = piece
+    return hidden
+
+
+@torch.no_grad()
+def hidden_by_trajectory_no_replay(model, batch, groups, chunk_size, kernels, trie):
+    """Baseline packing, but every fork restarts the linear-attention chunk grid (the §5.4 ablation)."""
+    hidden = {}
+    device = model.device
+    for group in groups:
+        lengths = [len(batch.tokens[i]) for i in group]
+        view = NoReplayView(lengths, [fork_positions(trie, i) for i in group], chunk_size, device, kernels=kernels)
         ids = torch.as_tensor(np.concatenate([batch.tokens[i] for i in group]), dtype=torch.long, device=device)
         states, _ = model.forward_hidden(ids, view)
         for trajectory, piece in zip(group, states.split(lengths)):
@@ -524,6 +542,23 @@ def main(argv=None) -> dict:
                                "repack_mean_abs_delta_nll": repack_nll}
         say(f"fidelity: cosine {cosine:.8f} (rerun {rerun_cosine:.8f}, repacked baseline {repack_cosine:.8f}), "
             f"|dNLL| {nll:.3e} (rerun {rerun_nll:.3e}, repacked {repack_nll:.3e})")
+        if not args.no_replay_ablation:
+            say("replay ablation: no-replay hidden states and divergence by state-handoff depth ...")
+            trie = plan.module.trie
+            depths = {i: handoff_depths(trie, i, len(batch.tokens[i])) for i in range(num_trajectories)}
+            no_replay = hidden_by_trajectory_no_replay(model, batch, groups, chunk_size, dispatch, trie)
+            ablation_table = {
+                name: divergence_by_depth(model, reference, other, batch.tokens, depths, block_rows=args.fidelity_rows)
+                for name, other in (("rerun", rerun), ("repacked", repacked), ("replay", compact), ("no_replay", no_replay))
+            }
+            results["replay_ablation"] = ablation_table
+            for d in range(6):
+                row = ablation_table["replay"][d]
+                say(f"  depth {d} ({row['tokens']} tokens): SymKL rerun {ablation_table['rerun'][d]['symkl']:.3e} "
+                    f"replay {row['symkl']:.3e} no-replay {ablation_table['no_replay'][d]['symkl']:.3e}; |dNLL| rerun "
+                    f"{ablation_table['rerun'][d]['mean_abs_delta_nll']:.3e} replay {row['mean_abs_delta_nll']:.3e} "
+                    f"no-replay {ablation_table['no_replay'][d]['mean_abs_delta_nll']:.3e}")
+            del no_replay
         del reference, rerun, repacked, compact
 
     if args.profile:
