@@ -1,7 +1,7 @@
 """``partition-microbatches``: choose microbatch membership by J (§3.2, Eq. 4-10).
 
 Builds every candidate (exact DP or sampled-K evolution, trie-aware greedy, refined
-anchors), instantiates each candidate's replica/slot assignment to rank it by J, and emits
+anchors, slot-balanced copy of the best), instantiates each candidate's replica/slot assignment to rank it by J, and emits
 the winner's microbatches. Replica and slot stay unset here; ``schedule-slots`` sets them
 with the same deterministic rule, so the scheduled module has exactly the J that won.
 """
@@ -34,7 +34,7 @@ def _positive(instance, attribute, value) -> None:
 @register_pass
 class PartitionMicrobatches(Pass):
     name = "partition-microbatches"
-    summary = "candidate microbatch sets (exact DP / sampled-K / trie greedy / refinement) ranked by J"
+    summary = "candidate microbatch sets (exact DP / sampled-K / trie greedy / refinement / slot balancing) ranked by J"
     requires = Phase.COMPRESSED
     produces = Phase.PARTITIONED
 
@@ -46,6 +46,8 @@ class PartitionMicrobatches(Pass):
         sample_budget: int = attrs.field(default=32, validator=_positive)
         refine: bool = True
         greedy: bool = True
+        #: slot balancing of the best candidate (harts.planner.balance); never adds compact work
+        balance: bool = True
 
     def run(self, module: Module, options: Options, ctx: PassContext) -> Module:
         if module.phase < self.requires or module.trie is None:
@@ -64,6 +66,7 @@ class PartitionMicrobatches(Pass):
                 sample_budget=options.sample_budget,
                 refine=options.refine,
                 greedy=options.greedy,
+                balance=options.balance,
             ),
         )
         ctx.report("partition-microbatches", 1.0)

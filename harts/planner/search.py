@@ -21,7 +21,10 @@ Refinement (``refine=True``) adds refined copies without removing anything: for 
 inputs only the greedy candidates are refined; for large inputs also up to three base
 anchors (the base plan at the greedy K, the lowest-work base plan, the base plan whose K
 is closest to the greedy K). Contiguous candidates get boundary refinement first; all
-get sparse repair. Every candidate is then assigned to replicas and slots, and the
+get sparse repair. Every candidate is then assigned to replicas and slots. With
+``balance=True`` (and D > 1) the ``balance_candidates`` best candidates by J also get
+within-slot balancing (``harts.planner.balance``: exact subtree moves and swaps that never add
+compact work), added as ``...+balanced`` copies when their J is strictly lower. The
 lexicographically smallest J wins (ties: smaller K, then the first generated).
 """
 
@@ -35,7 +38,7 @@ import numpy as np
 
 from harts.errors import PlanningError
 from harts.ir.prefix_index import PrefixIndex
-from harts.planner import contiguous, greedy, repair
+from harts.planner import balance, contiguous, greedy, repair
 from harts.planner.ranks import RankSpace
 from harts.planner.schedule import assign_slots, objective_of
 
@@ -59,6 +62,12 @@ class PlannerOptions:
     #: add the candidates that go beyond the paper (re-cut merges, piece greedy); False
     #: generates exactly the paper's candidate set
     extended: bool = True
+    #: within-slot balancing (``harts.planner.balance``) of the best candidates by J; it only
+    #: adds candidates whose J is strictly lower and whose total work is not higher
+    balance: bool = True
+    balance_candidates: int = 1
+    balance_rounds: int = 8
+    balance_window: int = 4
 
 
 @attrs.frozen(eq=False)
@@ -220,8 +229,19 @@ def plan(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
             f"no candidate plan satisfies capacity {capacity} with K a multiple of dp_size {dp_size}: tried K in "
             f"{k_values[0]}..{k_values[-1]}{ceiling} and the greedy search; raise the capacity or lower dp_size"
         )
-    best = select_best(candidates)
     seconds["select"] = clock() - started
+
+    started = clock()
+    if options.balance and dp_size > 1:
+        ranked = sorted(enumerate(candidates), key=lambda item: (item[1].objective, item[1].count, item[0]))
+        for _, candidate in ranked[: options.balance_candidates]:
+            balanced = balance.balance_slots(space, capacity, candidate.labels, dp_size, options.balance_rounds, options.balance_window)
+            balanced_candidate = _instantiate(space, balanced, dp_size, f"{candidate.source}+balanced")
+            if balanced_candidate.objective < candidate.objective and balanced_candidate.labels.tobytes() not in seen:
+                seen.add(balanced_candidate.labels.tobytes())
+                candidates.append(balanced_candidate)
+    seconds["balance"] = clock() - started
+    best = select_best(candidates)
     logger.debug("planned %d trajectories into K=%d microbatches (%s), J=%s, %d candidates",
                 n, best.count, best.source, best.objective, len(candidates))
 
