@@ -37,7 +37,7 @@ def _fail(error: Exception) -> None:
 
 def _format(value) -> str:
     if isinstance(value, float):
-        return f"{value:.3e}" if value != 0 and abs(value) < 1e-3 else f"{value:.4f}"
+        return f"{value:.3e}" if value != 0 and abs(value) < 1e-3 else f"{value:.6g}"
     return "-" if value is None else str(value)
 
 
