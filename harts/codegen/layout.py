@@ -59,7 +59,7 @@ def encode_arithmetic_runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty
     steps = np.diff(values)
-    # next_break[j]: first diff index k >= j whose step differs from steps[j] (or len(steps)).
+    # changes: the diff indices k whose step differs from step k-1, i.e. where a new run may begin.
     changes = np.flatnonzero(steps[1:] != steps[:-1]) + 1
     starts, run_steps, lengths = [], [], []
     first = 0
