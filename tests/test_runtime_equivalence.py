@@ -17,7 +17,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import harts
-from harts.errors import PlanArtifactError, PlanningError
+from harts.errors import PlanArtifactError, PlanningError, RolloutInputError
 from harts.plan import Plan, compute_stats
 from harts.runtime import HybridConfig, HybridModel, expert_load, load_balancing_loss, log_probs, log_probs_baseline, z_loss
 from harts.runtime.moe import TopKRouter
@@ -224,3 +224,13 @@ def test_saved_and_loaded_plan_runs_identically(tmp_path):
     loaded = harts.load_plan(plan.save(tmp_path / "plan"))
     model = tiny_model()
     torch.testing.assert_close(log_probs(model, loaded, batch).packed, log_probs(model, plan, batch).packed, rtol=0, atol=0)
+
+
+def test_tokens_outside_the_vocabulary_name_the_trajectory():
+    batch = harts.RolloutBatch.from_trajectories([[1, 2, 3], [1, 2, 70, 4]])
+    plan = harts.compile(batch, capacity=64, chunk_size=4)
+    model = HybridModel(HybridConfig.preset("tiny", vocab_size=64, chunk_size=4))
+    with pytest.raises(RolloutInputError, match=r"trajectory 1: field 'tokens' entry 2 is 70, outside the model's vocabulary \(vocab_size 64\)"):
+        log_probs(model, plan, batch)
+    with pytest.raises(RolloutInputError, match="trajectory 1: field 'tokens' entry 2 is 70"):
+        log_probs_baseline(model, batch)

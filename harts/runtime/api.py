@@ -77,6 +77,21 @@ def _layout(plan: Any, microbatch: int) -> MicrobatchLayout:
     return MicrobatchLayout.build(plan, microbatch)
 
 
+def _check_vocabulary(model: nn.Module, batch, trajectories=None) -> None:
+    """Every token id must index the model's embedding; name the first trajectory that does not."""
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab_size is None:
+        return
+    for trajectory in range(len(batch.tokens)) if trajectories is None else sorted(trajectories):
+        tokens = batch.tokens[trajectory]
+        if tokens.size and int(tokens.max()) >= vocab_size:
+            entry = int(np.flatnonzero(tokens >= vocab_size)[0])
+            raise RolloutInputError(
+                f"trajectory {trajectory}: field 'tokens' entry {entry} is {int(tokens[entry])}, "
+                f"outside the model's vocabulary (vocab_size {vocab_size})"
+            )
+
+
 def _check_plan_matches(module: Module, batch) -> None:
     if module.phase < Phase.ROUNDED:
         raise PlanArtifactError(f"the plan is at phase {module.phase}; running it needs a rounded plan (compile with the full pipeline)")
@@ -127,6 +142,7 @@ def microbatch_log_probs(
     module = _module_of(plan)
     _check_plan_matches(module, batch)
     layout = _layout(plan, microbatch)
+    _check_vocabulary(model, batch, layout.trajectories)
     device = next(model.parameters()).device
     view = TreeView(layout, device=device, kernels=kernels)
     input_ids = view.input_ids(batch.tokens)
@@ -205,6 +221,7 @@ def log_probs(
     """
     module = _module_of(plan)
     _check_plan_matches(module, batch)
+    _check_vocabulary(model, batch)
     outputs = [
         microbatch_log_probs(model, plan, batch, mb.index, recompute=recompute, with_entropy=with_entropy, row_chunk=row_chunk, kernels=kernels)
         for mb in module.microbatches
@@ -245,6 +262,7 @@ def log_probs_baseline(
     size) or a list of trajectory-index lists. ``chunk_size`` defaults to the plan's, else
     the model config's.
     """
+    _check_vocabulary(model, batch)
     groups, plan_chunk = _baseline_groups(batch, microbatches)
     chunk = chunk_size or plan_chunk or model.config.chunk_size
     device = next(model.parameters()).device
