@@ -280,27 +280,17 @@ SEQUENCE_AT_A_TIME = types.SimpleNamespace(
 
 
 @torch.no_grad()
-def hidden_by_trajectory_baseline(model, batch, groups, chunk_size, kernels):
+def hidden_by_trajectory_baseline(model, batch, groups, chunk_size, kernels, forks=None):
+    """Final hidden states per trajectory, each trajectory expanded; with ``forks`` (one list of fork
+    positions per trajectory) every fork restarts the linear-attention chunk grid (the §5.4 no-replay ablation)."""
     hidden = {}
     device = model.device
     for group in groups:
         lengths = [len(batch.tokens[i]) for i in group]
-        view = BaselineView(lengths, chunk_size, device, kernels=kernels)
-        ids = torch.as_tensor(np.concatenate([batch.tokens[i] for i in group]), dtype=torch.long, device=device)
-        states, _ = model.forward_hidden(ids, view)
-        for trajectory, piece in zip(group, states.split(lengths)):
-            hidden[trajectory] = piece
-    return hidden
-
-
-@torch.no_grad()
-def hidden_by_trajectory_no_replay(model, batch, groups, chunk_size, kernels, trie):
-    """Baseline packing, but every fork restarts the linear-attention chunk grid (the §5.4 ablation)."""
-    hidden = {}
-    device = model.device
-    for group in groups:
-        lengths = [len(batch.tokens[i]) for i in group]
-        view = NoReplayView(lengths, [fork_positions(trie, i) for i in group], chunk_size, device, kernels=kernels)
+        if forks is None:
+            view = BaselineView(lengths, chunk_size, device, kernels=kernels)
+        else:
+            view = NoReplayView(lengths, [forks[i] for i in group], chunk_size, device, kernels=kernels)
         ids = torch.as_tensor(np.concatenate([batch.tokens[i] for i in group]), dtype=torch.long, device=device)
         states, _ = model.forward_hidden(ids, view)
         for trajectory, piece in zip(group, states.split(lengths)):
@@ -544,9 +534,9 @@ def main(argv=None) -> dict:
             f"|dNLL| {nll:.3e} (rerun {rerun_nll:.3e}, repacked {repack_nll:.3e})")
         if not args.no_replay_ablation:
             say("replay ablation: no-replay hidden states and divergence by state-handoff depth ...")
-            trie = plan.module.trie
-            depths = {i: handoff_depths(trie, i, len(batch.tokens[i])) for i in range(num_trajectories)}
-            no_replay = hidden_by_trajectory_no_replay(model, batch, groups, chunk_size, dispatch, trie)
+            forks = fork_positions(plan.module.trie)
+            depths = {i: handoff_depths(forks[i], len(batch.tokens[i])) for i in range(num_trajectories)}
+            no_replay = hidden_by_trajectory_baseline(model, batch, groups, chunk_size, dispatch, forks)
             ablation_table = {
                 name: divergence_by_depth(model, reference, other, batch.tokens, depths, block_rows=args.fidelity_rows)
                 for name, other in (("rerun", rerun), ("repacked", repacked), ("replay", compact), ("no_replay", no_replay))

@@ -41,18 +41,12 @@ _TENSORS = "tensors.safetensors"
 def _segment_depths(module: Module) -> tuple[int, int]:
     """(number of maximal fork-free segments, deepest root-to-leaf segment count) of the batch trie."""
     trie = module.trie
-    children = [0] * len(trie.nodes)
-    for node in trie.nodes:
-        if node.parent >= 0:
-            children[node.parent] += 1
+    starts = trie.segment_starts()
     depth = [0] * len(trie.nodes)
-    segments = 0
     for node in trie.nodes:
-        starts_segment = node.parent < 0 or children[node.parent] > 1
-        segments += starts_segment
         parent_depth = depth[node.parent] if node.parent >= 0 else 0
-        depth[node.id] = parent_depth + (1 if starts_segment else 0)
-    return segments, max(depth, default=0)
+        depth[node.id] = parent_depth + (1 if starts[node.id] else 0)
+    return sum(starts), max(depth, default=0)
 
 
 def compute_stats(module: Module, plan_seconds: float | None = None) -> dict[str, Any]:

@@ -34,14 +34,15 @@ def hidden(model, batch, view):
 def test_fork_positions_and_depths_follow_the_trie():
     batch = forked_batch()
     trie = harts.compile(batch, pipeline="prefix-compress").module.trie
+    forks = fork_positions(trie)
     for trajectory, tokens in enumerate(batch.tokens):
-        positions = fork_positions(trie, trajectory)
+        positions = forks[trajectory]
         assert positions == sorted(positions)
         others = [t for i, t in enumerate(batch.tokens) if i != trajectory]
         for p in positions:
             # a fork: another trajectory shares the first p tokens and differs at p
             assert any(len(o) > p and np.array_equal(o[:p], tokens[:p]) and o[p] != tokens[p] for o in others)
-        depth = handoff_depths(trie, trajectory, len(tokens))
+        depth = handoff_depths(positions, len(tokens))
         assert depth[0] == 0 and np.all(np.diff(depth) >= 0) and depth[-1] == len(positions)
 
 
@@ -49,10 +50,10 @@ def test_fork_positions_and_depths_follow_the_trie():
 def test_no_replay_is_exact_in_float64_and_changes_only_rounding_in_float32(linear):
     batch = forked_batch()
     trie = harts.compile(batch, pipeline="prefix-compress").module.trie
-    cuts = [fork_positions(trie, i) for i in range(len(batch))]
+    cuts = fork_positions(trie)
     assert any(p % CHUNK for c in cuts for p in c), "some forks fall inside a chunk"
     lengths = [len(t) for t in batch.tokens]
-    depths = {i: handoff_depths(trie, i, lengths[i]) for i in range(len(batch))}
+    depths = {i: handoff_depths(cuts[i], lengths[i]) for i in range(len(batch))}
     for dtype, exact in ((torch.float64, True), (torch.float32, False)):
         torch.manual_seed(0)
         model = HybridModel(HybridConfig.preset("tiny", vocab_size=50, chunk_size=CHUNK, linear=linear, dtype=str(dtype).split(".")[1]))
@@ -79,7 +80,7 @@ def test_replay_matches_the_baseline_where_no_replay_does_not():
     baseline = log_probs_baseline(model, batch, microbatches=plan).packed
     replay = harts.runtime.log_probs(model, plan, batch).packed
     ids = torch.as_tensor(np.concatenate(batch.tokens), dtype=torch.long)
-    cuts = [fork_positions(trie, i) for i in range(len(batch))]
+    cuts = fork_positions(trie)
     states, _ = model.forward_hidden(ids, NoReplayView(lengths, cuts, CHUNK))
     rows = np.concatenate([np.arange(s, s + n - 1) for s, n in zip(np.cumsum([0] + lengths[:-1]), lengths)])
     logits = model.logits(states[torch.as_tensor(rows)]).double()

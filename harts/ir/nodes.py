@@ -87,6 +87,14 @@ class CompactTrie:
             node = self.nodes[node].parent
         return nodes[::-1]
 
+    def segment_starts(self) -> list[bool]:
+        """For every node: does a maximal fork-free segment begin there (a root, or a child of a fork)?"""
+        children = [0] * len(self.nodes)
+        for node in self.nodes:
+            if node.parent >= 0:
+                children[node.parent] += 1
+        return [node.parent < 0 or children[node.parent] > 1 for node in self.nodes]
+
     def rows(self, trajectory: int) -> list[int]:
         """The map m for one trajectory: the compact row of each of its positions."""
         rows: list[int] = []

@@ -23,19 +23,19 @@ from harts.ir.nodes import CompactTrie
 from harts.runtime.view import BaselineView
 
 
-def fork_positions(trie: CompactTrie, trajectory: int) -> list[int]:
-    """Positions p of ``trajectory`` where its path leaves a fork of the batch trie (segment starts > 0)."""
-    children = np.zeros(len(trie.nodes), dtype=np.int64)
-    for node in trie.nodes:
-        if node.parent >= 0:
-            children[node.parent] += 1
-    return [node.start for node in trie.path(trajectory) if node.parent >= 0 and children[node.parent] > 1]
+def fork_positions(trie: CompactTrie) -> list[list[int]]:
+    """For every trajectory, the positions p where its path leaves a fork of the batch trie."""
+    starts = trie.segment_starts()
+    return [
+        [node.start for node in trie.path(trajectory) if node.parent >= 0 and starts[node.id]]
+        for trajectory in range(len(trie.leaf))
+    ]
 
 
-def handoff_depths(trie: CompactTrie, trajectory: int, length: int) -> np.ndarray:
-    """Depth of every position: the number of fork positions at or before it."""
+def handoff_depths(forks: Sequence[int], length: int) -> np.ndarray:
+    """Depth of every position of a trajectory with fork positions ``forks``: the forks at or before it."""
     depth = np.zeros(length, dtype=np.int64)
-    for position in fork_positions(trie, trajectory):
+    for position in forks:
         depth[position:] += 1
     return depth
 
