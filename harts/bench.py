@@ -9,10 +9,19 @@ trees until ``--tokens`` raw tokens, compiles it with capacity ``--capacity`` an
 * ``harts``: F/B/Grad of the compiled plan (compact rows, one linear-attention call per
   round, boundary-state handoffs);
 * ``core``: ``harts`` plus the planning time (``harts.compile`` wall clock);
-* ``sequence_at_a_time`` (ablation, ``--no-ablation`` skips it): the same plan with every
-  input sequence of a round as its own linear-attention call (no round packing; a lower
-  bound on the call count of node-at-a-time execution);
-* peak memory of each, linear-attention calls per microbatch, non-replay compression
+* ``sequence_at_a_time`` (ablation): the same plan with every input sequence of a round as
+  its own linear-attention call (no round packing; same results as ``harts``);
+* ``node_at_a_time`` (ablation): Tree Training's linear-attention schedule on the same plan
+  (:class:`harts.runtime.ablation.NodeAtATimeView`): one chunkwise call per node of the
+  microbatch's trie (maximal fork-free token run), issued parents first, each node starting
+  from the exact final state of its parent's call, no packing and no replay, so the chunk
+  grid restarts at every node start (slightly different rounding from the baseline; its mean
+  |delta log-prob| against the baseline is reported). Projections, convolution, MoE,
+  attention and log-probs are the ``harts`` path's; only linear-attention scheduling differs.
+  ``--no-ablation`` skips both ablations;
+* peak memory of each, linear-attention calls per microbatch per linear-attention layer
+  (``baseline`` 1, ``harts`` rounds, ``sequence_at_a_time`` input sequences,
+  ``node_at_a_time`` trie nodes), non-replay compression
   (baseline rows / compact rows) and fidelity: the mean token-wise cosine of the
   full-vocabulary logits of HARTS vs the baseline, next to the baseline vs a rerun of
   itself and vs the baseline packed differently (one trajectory per call: the bf16
@@ -38,6 +47,10 @@ CPU smoke test::
 
 It prints progress and one final line
 ``headline: compression=... fbgrad_speedup=... core_speedup=... cosine=... rerun_cosine=...``.
+
+``--attention-bench`` runs only the full-attention head-to-head of :mod:`harts.bench_attention`
+(gathered ancestor KV + varlen FlashAttention vs a FlexAttention tree mask over one shared KV
+buffer) on the same workload and plan; ``--kernel-bench`` only the linear-attention kernels.
 """
 
 from __future__ import annotations
@@ -57,10 +70,17 @@ import harts
 from harts.kernels import dispatch
 from harts.rl import grpo_loss
 from harts.runtime import HybridConfig, HybridModel, log_probs_baseline, microbatch_log_probs
-from harts.runtime.ablation import NoReplayView, divergence_by_depth, fork_positions, handoff_depths
+from harts.runtime.ablation import (
+    NodeAtATimeView,
+    NoReplayView,
+    TrieNodes,
+    divergence_by_depth,
+    fork_positions,
+    handoff_depths,
+)
 from harts.runtime.tree_view import TreeView
 from harts.runtime.view import BaselineView
-from harts.workloads import swe_like_step
+from harts.workloads import swe_like_step, trees_near_compression
 
 _STARTED = time.perf_counter()
 
@@ -78,17 +98,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="scale of the SWE-like generator (token lengths and task count; 0.25 keeps several "
                              "whole trees within the default budget)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--target-compression", type=float, default=None,
+                        help="keep the whole trees whose joint sharing is closest to this ratio (within --tokens); "
+                             "default: whole trees in generation order")
     parser.add_argument("--capacity", type=int, default=65536)
     parser.add_argument("--chunk-size", type=int, default=None, help="default: the preset's")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--kernels", choices=("auto", "fast", "naive"), default="auto")
+    parser.add_argument("--batch-invariant-chunks", type=int, default=0,
+                        help="run the fast linear-attention kernel's batched steps on fixed pieces of this many "
+                             "chunks (HARTS_BATCH_INVARIANT_CHUNKS; 0: off), for baseline and HARTS alike")
     parser.add_argument("--matmul-precision", choices=("highest", "high", "medium"), default=None,
                         help="torch.set_float32_matmul_precision; default 'high' (TF32) on CUDA, 'highest' on CPU")
     parser.add_argument("--moe", choices=("grouped", "loop"), default="grouped")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--no-ablation", action="store_true", help="skip the sequence-at-a-time ablation")
+    parser.add_argument("--no-ablation", action="store_true",
+                        help="skip the sequence-at-a-time and node-at-a-time ablations")
     parser.add_argument("--no-fidelity", action="store_true", help="skip the logit-cosine fidelity check")
     parser.add_argument("--no-replay-ablation", action="store_true",
                         help="skip the replay / no-replay divergence by state-handoff depth (Eq. 25-26)")
@@ -97,6 +124,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--kernel-bench", action="store_true",
                         help="only time the linear-attention kernels (fast vs reference) at --kernel-tokens rows")
     parser.add_argument("--kernel-tokens", type=int, default=32768)
+    parser.add_argument("--attention-bench", action="store_true",
+                        help="only time full attention per microbatch layout: gathered ancestor KV + varlen flash "
+                             "vs a FlexAttention tree mask over one shared KV buffer (harts.bench_attention)")
+    parser.add_argument("--attention-repeats", type=int, default=10, help="timed calls per path in --attention-bench")
+    parser.add_argument("--attention-microbatches", type=int, default=None,
+                        help="time only the first N microbatches in --attention-bench (default: all)")
     parser.add_argument("--profile", action="store_true",
                         help="print a torch.profiler table of one baseline and one HARTS pass (after warm-up)")
     return parser.parse_args(argv)
@@ -145,13 +178,32 @@ def baseline_microbatches(lengths: np.ndarray, capacity: int) -> list[list[int]]
     return [sorted(b) for b in bins]
 
 
-def build_model(args, device: torch.device) -> HybridModel:
+def build_config(args) -> HybridConfig:
     overrides = {"dtype": args.dtype}
     if args.layers is not None:
         overrides["num_layers"] = args.layers
     if args.chunk_size is not None:
         overrides["chunk_size"] = args.chunk_size
-    config = HybridConfig.preset(args.preset, **overrides)
+    return HybridConfig.preset(args.preset, **overrides)
+
+
+def build_workload(args, config: HybridConfig):
+    """The SWE-like step, its selected trees and their compiled plan: (full step, batch, plan, plan seconds)."""
+    full = swe_like_step(seed=args.seed, scale=args.scale, vocab_size=config.vocab_size)
+    if args.target_compression is None:
+        batch = select_trees(full, args.tokens)
+    else:
+        batch = trees_near_compression(full, args.tokens, args.target_compression, args.capacity)
+    say(f"workload: {len(batch.tokens)} trajectories of {len(set(np.asarray(batch.tree_ids).tolist()))} tree(s), "
+        f"{batch.semantic_tokens} raw tokens (step had {len(full.tokens)} paths, {full.semantic_tokens} tokens)")
+    say(f"compiling with capacity {args.capacity} ...")
+    plan_start = time.perf_counter()
+    plan = harts.compile(batch, capacity=args.capacity, chunk_size=config.chunk_size)
+    return full, batch, plan, time.perf_counter() - plan_start
+
+
+def build_model(args, device: torch.device) -> HybridModel:
+    config = build_config(args)
     torch.manual_seed(0)
     with torch.device(device):
         model = HybridModel(config)
@@ -199,14 +251,14 @@ def baseline_pass(model, batch, groups, chunk_size, kernels, num_trajectories, c
     return total_loss, (collected if collect else None)
 
 
-def harts_pass(model, plan, batch, kernels, num_trajectories, collect=False):
-    """F/B/Grad of the compiled plan, one microbatch at a time."""
+def harts_pass(model, plan, batch, kernels, num_trajectories, collect=False, view_type=TreeView):
+    """F/B/Grad of the compiled plan, one microbatch at a time (``view_type``: the execution view, for ablations)."""
     advantages = batch.trajectory_fields["advantage"]
     masks = batch.token_fields["loss_mask"]
     total_loss = 0.0
     collected = {}
     for microbatch in range(len(plan.module.microbatches)):
-        out = microbatch_log_probs(model, plan, batch, microbatch, recompute=True, kernels=kernels)
+        out = microbatch_log_probs(model, plan, batch, microbatch, recompute=True, kernels=kernels, view_type=view_type)
         members = list(out.trajectories)
         pieces = [out.log_probs[int(out.offsets[j]) : int(out.offsets[j + 1])] for j in range(len(members))]
         loss = grpo_loss(
@@ -252,14 +304,18 @@ def _sequence_at_a_time_linear_attention(q, k, v, log_decay, beta, cu_seqlens, *
                                          initial_state=None, export_chunks=None):
     """One linear-attention call per input sequence instead of one per round (same results)."""
     bounds = cu_seqlens.tolist()
+    sizes = np.diff(bounds).tolist()
+    # one split per input: its backward is one concatenation, where a slice per sequence would
+    # materialise a full-size zero gradient per sequence and charge that to the ablation
+    pieces = [x.split(sizes) for x in (q, k, v, log_decay, beta)]
+    states = None if initial_state is None else initial_state.split(1)
     outputs, finals, exports = [], [], []
-    for i in range(len(bounds) - 1):
-        start, end = bounds[i], bounds[i + 1]
-        one = torch.tensor([0, end - start], dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+    for i, size in enumerate(sizes):
+        one = torch.tensor([0, size], dtype=cu_seqlens.dtype, device=cu_seqlens.device)
         o, final, exported = dispatch.chunk_linear_attention(
-            q[start:end], k[start:end], v[start:end], log_decay[start:end], beta[start:end], one,
+            *(piece[i] for piece in pieces), one,
             chunk_size=chunk_size, scale=scale,
-            initial_state=None if initial_state is None else initial_state[i : i + 1],
+            initial_state=None if states is None else states[i],
             export_chunks=None if export_chunks is None else [export_chunks[i]],
         )
         outputs.append(o)
@@ -415,6 +471,33 @@ def kernel_bench(args, device) -> dict:
     return results
 
 
+# ----------------------------------------------------------------------------- attention head-to-head
+
+
+def attention_bench_main(args, device: torch.device) -> dict:
+    """``--attention-bench``: the workload and plan of the main benchmark, full attention only."""
+    from harts.bench_attention import format_table, run_attention_bench
+
+    config = build_config(args)
+    _full, batch, plan, plan_seconds = build_workload(args, config)
+    say(f"plan: {plan_seconds:.2f} s, {len(plan.module.microbatches)} microbatch(es), compression {plan.stats.get('compression', float('nan')):.3f}")
+    results = {
+        "config": dict(vars(args)),
+        "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
+        "torch": torch.__version__,
+        "model": {"preset": args.preset, "attention": config.attention, "dtype": config.dtype},
+        "workload": {"trajectories": len(batch.tokens), "raw_tokens": int(batch.semantic_tokens)},
+        "plan": {"seconds": plan_seconds, "microbatches": len(plan.module.microbatches), "stats": plan.stats},
+        **run_attention_bench(args, device, config, plan),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, default=str))
+    print(format_table(results), flush=True)
+    say(f"wrote {out}")
+    return results
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -424,6 +507,9 @@ def main(argv=None) -> dict:
     if args.dtype is None:
         args.dtype = "bfloat16" if device.type == "cuda" else "float32"
     os.environ["HARTS_KERNELS"] = args.kernels
+    if args.batch_invariant_chunks < 0:
+        raise SystemExit(f"--batch-invariant-chunks must be >= 0, got {args.batch_invariant_chunks}")
+    os.environ["HARTS_BATCH_INVARIANT_CHUNKS"] = str(args.batch_invariant_chunks)
     if args.matmul_precision is None:
         args.matmul_precision = "high" if device.type == "cuda" else "highest"
     # The log-prob head runs its [rows, vocab] GEMMs in fp32 (exact normalisers); with "highest"
@@ -434,10 +520,12 @@ def main(argv=None) -> dict:
         results = kernel_bench(args, device)
         Path(args.out).write_text(json.dumps(results, indent=2))
         return results
+    if args.attention_bench:
+        return attention_bench_main(args, device)
     say(f"torch {torch.__version__}, device {device}"
         + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
         + f", kernels={args.kernels}, moe={args.moe}, triton={dispatch.TRITON_AVAILABLE}, "
-        f"fp32 matmul precision={args.matmul_precision}")
+        f"fp32 matmul precision={args.matmul_precision}, batch-invariant chunks={args.batch_invariant_chunks}")
 
     model = build_model(args, device)
     config = model.config
@@ -446,23 +534,20 @@ def main(argv=None) -> dict:
     say(f"model {args.preset}: {config.num_layers} layers {list(config.layer_types)}, {params / 1e6:.1f}M parameters, "
         f"{config.dtype}, chunk {chunk_size}")
 
-    full = swe_like_step(seed=args.seed, scale=args.scale, vocab_size=config.vocab_size)
-    batch = select_trees(full, args.tokens)
+    _full, batch, plan, plan_seconds = build_workload(args, config)
     num_trajectories = len(batch.tokens)
-    say(f"workload: {num_trajectories} trajectories of {len(set(np.asarray(batch.tree_ids).tolist()))} tree(s), "
-        f"{batch.semantic_tokens} raw tokens (step had {len(full.tokens)} paths, {full.semantic_tokens} tokens)")
-
-    say(f"compiling with capacity {args.capacity} ...")
-    plan_start = time.perf_counter()
-    plan = harts.compile(batch, capacity=args.capacity, chunk_size=chunk_size)
-    plan_seconds = time.perf_counter() - plan_start
     stats = plan.stats
     layouts = [plan.layout(k) for k in range(len(plan.module.microbatches))]
     compact_rows = sum(layout.num_rows for layout in layouts)
     rounds = [layout.num_rounds for layout in layouts]
     sequences = [layout.num_sequences for layout in layouts]
+    trie_nodes = [TrieNodes.from_layout(layout) for layout in layouts]
+    nodes = [n.num_nodes for n in trie_nodes]
+    # node starts past position 0 that are not multiples of B: where node-at-a-time's chunk grid shifts
+    off_grid = [int(np.count_nonzero(n.position % chunk_size)) for n in trie_nodes]
     say(f"plan: {plan_seconds:.2f} s, {len(layouts)} microbatch(es), {compact_rows} compact rows, "
-        f"compression {batch.semantic_tokens / compact_rows:.3f}, rounds {rounds}, replay {stats.get('replay_tokens')}")
+        f"compression {batch.semantic_tokens / compact_rows:.3f}, rounds {rounds}, replay {stats.get('replay_tokens')}, "
+        f"trie nodes {nodes} ({off_grid} off the chunk grid)")
 
     groups = baseline_microbatches(batch.lengths, args.capacity)
     say(f"baseline: {len(groups)} microbatch(es) of <= {args.capacity} raw tokens")
@@ -477,14 +562,18 @@ def main(argv=None) -> dict:
                      "trees": len(set(np.asarray(batch.tree_ids).tolist()))},
         "plan": {"seconds": plan_seconds, "microbatches": len(layouts), "compact_rows": compact_rows,
                  "replay_tokens": stats.get("replay_tokens"), "rounds_per_microbatch": rounds,
-                 "sequences_per_microbatch": sequences, "stats": stats},
+                 "sequences_per_microbatch": sequences, "trie_nodes_per_microbatch": nodes,
+                 "trie_nodes_off_chunk_grid": off_grid, "stats": stats},
         "compression": batch.semantic_tokens / compact_rows,
         "linear_attention_calls_per_microbatch": {
             "baseline": 1,
             "harts": float(np.mean(rounds)),
             "harts_max": int(max(rounds)),
             "sequence_at_a_time": float(np.mean(sequences)),
-            "note": "per linear-attention layer; harts = rounds, sequence_at_a_time = input sequences",
+            "node_at_a_time": float(np.mean(nodes)),
+            "node_at_a_time_max": int(max(nodes)),
+            "note": "per linear-attention layer; harts = rounds, sequence_at_a_time = input sequences, "
+                    "node_at_a_time = trie nodes (maximal fork-free runs) of the microbatch",
         },
         "baseline_microbatches": len(groups),
     }
@@ -514,6 +603,14 @@ def main(argv=None) -> dict:
             "sequence-at-a-time", lambda collect: harts_pass(model, plan, batch, SEQUENCE_AT_A_TIME, num_trajectories, False),
             model, device, min(args.warmup, 1), max(1, min(args.repeats, 1)))
         results["sequence_at_a_time"] = ablation
+        node_result, node_lp = measure(
+            "node-at-a-time",
+            lambda collect: harts_pass(model, plan, batch, dispatch, num_trajectories, collect, view_type=NodeAtATimeView),
+            model, device, min(args.warmup, 1), max(1, min(args.repeats, 1)))
+        results["node_at_a_time"] = node_result
+        if baseline_lp is not None and node_lp is not None:
+            deltas = [float((baseline_lp[t] - node_lp[t]).abs().mean()) for t in baseline_lp]
+            results["node_at_a_time_mean_abs_logprob_delta"] = float(np.mean(deltas))
     model.zero_grad(set_to_none=True)
 
     if not args.no_fidelity:
@@ -559,6 +656,9 @@ def main(argv=None) -> dict:
     results["core_speedup"] = baseline["mean_seconds"] / results["core"]["mean_seconds"]
     if "sequence_at_a_time" in results:
         results["sequence_at_a_time_speedup"] = baseline["mean_seconds"] / results["sequence_at_a_time"]["mean_seconds"]
+    if "node_at_a_time" in results:
+        results["node_at_a_time_speedup"] = baseline["mean_seconds"] / results["node_at_a_time"]["mean_seconds"]
+        results["harts_vs_node_at_a_time_speedup"] = results["node_at_a_time"]["mean_seconds"] / harts_result["mean_seconds"]
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-__all__ = ["layout_parents", "preorder", "tree_attention"]
+__all__ = ["layout_parents", "preorder", "prepare", "tree_attention"]
 
 _CACHE_SIZE = 16
 _masks: OrderedDict = OrderedDict()
@@ -84,11 +84,11 @@ def preorder(parent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return order, leave
 
 
-def _arrangement(parent: np.ndarray, device: torch.device):
+def _arrangement(parent: np.ndarray, device: torch.device, use_cache: bool = True):
     """(order, inverse, leave, block mask or None) of a parent array, cached: every attention
     layer of a microbatch reuses it."""
     key = (parent.tobytes(), str(device))
-    cached = _masks.get(key)
+    cached = _masks.get(key) if use_cache else None
     if cached is not None:
         _masks.move_to_end(key)
         return cached
@@ -113,6 +113,14 @@ def _arrangement(parent: np.ndarray, device: torch.device):
     if len(_masks) > _CACHE_SIZE:
         _masks.popitem(last=False)
     return cached
+
+
+def prepare(parent, device: torch.device | str, *, use_cache: bool = True) -> None:
+    """Build the preorder arrangement and (on CUDA) the block mask of ``parent`` ahead of the
+    first :func:`tree_attention` call, so that cost is paid once per microbatch rather than in
+    the first attention layer; ``use_cache=False`` rebuilds it even when cached (to time it)."""
+    parent = parent.detach().cpu().numpy() if isinstance(parent, torch.Tensor) else np.asarray(parent)
+    _arrangement(parent.astype(np.int64), torch.device(device), use_cache)
 
 
 def _flex(q, k, v, mask, scale):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import strategies as st
 
 from harts.batch import RolloutBatch
@@ -37,3 +39,26 @@ def token_trees(draw, *, chunk_size: int = 8, max_trajectories: int = 10, max_le
 @st.composite
 def rollout_batches(draw, **kwargs):
     return RolloutBatch.from_trajectories(draw(token_trees(**kwargs)))
+
+
+@st.composite
+def chunk_aligned_token_trees(draw, *, chunk_size: int = 8, max_trajectories: int = 8, max_length: int = 40):
+    """Token lists forming random rollout trees whose forks all lie on multiples of ``chunk_size``.
+
+    Every token drawn fresh is a new id (so ids reach ``max_trajectories * max_length``):
+    trajectories share exactly the prefixes they were forked with and no accidental sharing
+    can move a fork off the chunk grid. A fork may sit at a trajectory's end (the new one
+    extends it) or make a prefix of another trajectory.
+    """
+    fresh = itertools.count()
+    trajectories: list[list[int]] = []
+    for _ in range(draw(st.integers(1, max_trajectories))):
+        if trajectories and draw(st.integers(0, 3)):
+            base = draw(st.sampled_from(trajectories))
+            chunks = len(base) // chunk_size
+            fork = chunk_size * draw(st.integers(min(1, chunks), chunks))
+            tail_length = draw(st.integers(0 if fork else 1, max(1, max_length - fork)))
+        else:
+            base, fork, tail_length = [], 0, draw(st.integers(1, max_length))
+        trajectories.append(base[:fork] + [next(fresh) for _ in range(tail_length)])
+    return trajectories

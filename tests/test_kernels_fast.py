@@ -441,8 +441,13 @@ def test_bench_runtime_smoke_on_cpu(tmp_path):
     assert results["fidelity"]["rerun_cosine"] > 0.999999
     assert results["gradient_cosine"] > 0.999999
     assert results["mean_abs_logprob_delta"] < 1e-5
-    for key in ("baseline", "harts", "sequence_at_a_time"):
+    for key in ("baseline", "harts", "sequence_at_a_time", "node_at_a_time"):
         assert results[key]["mean_seconds"] > 0
+    calls = results["linear_attention_calls_per_microbatch"]
+    assert calls["node_at_a_time"] == sum(results["plan"]["trie_nodes_per_microbatch"]) / results["plan"]["microbatches"]
+    assert calls["node_at_a_time"] >= calls["sequence_at_a_time"] >= calls["harts"]
+    assert results["node_at_a_time_mean_abs_logprob_delta"] < 1e-5
+    assert results["node_at_a_time_speedup"] > 0
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -10,17 +10,40 @@ the floating-point path differs, which is what the ablation measures.
 fork boundaries of the batch's segment tree lie before it), and ``divergence_by_depth``
 reports the paper's Eq. 25-26 per depth: mean symmetric KL of the full-vocabulary
 distributions and mean |delta NLL| of the next token.
+
+``NodeAtATimeView`` is the scheduling ablation of Tree Training's Gated DeltaNet path on a
+compiled plan: the same compact rows and the same conv / attention / token-wise work as
+:class:`~harts.runtime.tree_view.TreeView`, but linear attention issues one chunkwise call per
+node of the microbatch's trie (:class:`TrieNodes`: maximal fork-free row runs), parents before
+children, each node starting from the exact final state of its parent's call. Nodes are not
+packed together and nothing is replayed, so the chunk grid restarts at every node start: the
+mathematics is unchanged, the floating-point path is the no-replay one (it equals
+``NoReplayView`` with the microbatch's node starts as cuts).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import attrs
 import numpy as np
 import torch
 
+from harts.codegen.fx import default_kernels
+from harts.codegen.layout import MicrobatchLayout
 from harts.ir.nodes import CompactTrie
+from harts.kernels.tree_attention import layout_parents
+from harts.runtime.tree_view import TreeView
 from harts.runtime.view import BaselineView
+
+__all__ = [
+    "NoReplayView",
+    "NodeAtATimeView",
+    "TrieNodes",
+    "divergence_by_depth",
+    "fork_positions",
+    "handoff_depths",
+]
 
 
 def fork_positions(trie: CompactTrie) -> list[list[int]]:
@@ -76,6 +99,144 @@ class NoReplayView(BaselineView):
             output = output.index_copy(0, index, piece_out.to(output.dtype))
             state = state.index_copy(0, which, final.to(state.dtype))
         return output
+
+
+@attrs.frozen(eq=False)
+class TrieNodes:
+    """The nodes of one microbatch's trie on its compact layout, in row order.
+
+    A node is a maximal fork-free run of rows: it begins at a root row (position 0) or at a
+    child of a row with two or more children, so a trajectory that ends where another member
+    continues does not split a node (the same rule as the ``segment`` pass). Node ``n`` covers
+    rows ``row_start[n] : row_start[n] + length[n]`` (contiguous: a fork-free run lies inside
+    one input sequence of the layout), which are positions ``position[n] : position[n] +
+    length[n]`` of every member trajectory through it. ``parent[n]`` is the node holding the
+    row before its first row (-1 for a root). Nodes tile the rows in index order; ``order``
+    lists them parents first, the order their calls are issued in.
+    """
+
+    microbatch: int
+    row_start: np.ndarray
+    length: np.ndarray
+    position: np.ndarray
+    parent: np.ndarray
+    order: np.ndarray
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.row_start.shape[0])
+
+    @property
+    def has_children(self) -> np.ndarray:
+        """[N] bool: some node starts from this node's final state."""
+        flags = np.zeros(self.num_nodes, dtype=bool)
+        flags[self.parent[self.parent >= 0]] = True
+        return flags
+
+    @classmethod
+    def from_layout(cls, layout: MicrobatchLayout) -> TrieNodes:
+        """The nodes of a layout, cached in ``layout.cache`` (every view and layer reuses them)."""
+        cached = layout.cache.get(("trie_nodes",))
+        if cached is None:
+            cached = cls._build(layout)
+            layout.cache[("trie_nodes",)] = cached
+        return cached
+
+    @classmethod
+    def _build(cls, layout: MicrobatchLayout) -> TrieNodes:
+        parent_row = layout_parents(layout)
+        rows = layout.num_rows
+        children = np.bincount(parent_row[parent_row >= 0], minlength=rows)
+        has_parent = parent_row >= 0
+        starts = ~has_parent
+        starts[has_parent] = children[parent_row[has_parent]] >= 2
+        continuing = np.flatnonzero(~starts)
+        misplaced = continuing[parent_row[continuing] != continuing - 1]
+        if misplaced.size:
+            row = int(misplaced[0])
+            raise ValueError(
+                f"layout of microbatch {layout.microbatch}: row {row} continues a fork-free run but its parent is "
+                f"row {int(parent_row[row])}, not the row before it; the node would not be a contiguous row range"
+            )
+        row_start = np.flatnonzero(starts).astype(np.int64)
+        length = np.diff(np.append(row_start, rows)).astype(np.int64)
+        node_of_row = np.cumsum(starts) - 1
+        first_parent = parent_row[row_start]
+        parent = np.where(first_parent >= 0, node_of_row[np.maximum(first_parent, 0)], -1).astype(np.int64)
+        return cls(
+            microbatch=layout.microbatch,
+            row_start=row_start,
+            length=length,
+            position=np.asarray(layout.row_position, dtype=np.int64)[row_start],
+            parent=parent,
+            order=_parents_first(parent),
+        )
+
+
+def _parents_first(parent: np.ndarray) -> np.ndarray:
+    """A preorder of the forest given by ``parent`` (every node after its parent)."""
+    count = parent.shape[0]
+    children: list[list[int]] = [[] for _ in range(count)]
+    roots = []
+    for node, up in enumerate(parent.tolist()):
+        (roots if up < 0 else children[up]).append(node)
+    order, stack = [], roots[::-1]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(children[node][::-1])
+    if len(order) != count:
+        raise ValueError("node parents do not form a forest")
+    return np.asarray(order, dtype=np.int64)
+
+
+class NodeAtATimeView(TreeView):
+    """A compiled microbatch's view whose linear attention runs one call per trie node.
+
+    Everything but linear attention is :class:`TreeView`'s (same generated programs, same
+    rows). Linear attention: for every node of :class:`TrieNodes`, parents first, one
+    chunkwise call over the node's own rows, starting from the parent call's final state
+    (zero state at a root). Gradients flow through the chained states. Constructor as
+    :class:`TreeView`.
+    """
+
+    def __init__(self, layout: MicrobatchLayout, chunk_size: int | None = None, device=None, *, kernels=None):
+        super().__init__(layout, chunk_size, device, kernels=kernels)
+        self.nodes = TrieNodes.from_layout(layout)
+        self._sizes = self.nodes.length.tolist()
+        self._order = self.nodes.order.tolist()
+        self._parent = self.nodes.parent.tolist()
+        self._keep_final = self.nodes.has_children.tolist()
+        # Host tensors: the kernels read cu_seqlens on the host, so a device copy would cost a
+        # device-to-host sync per call, an overhead the ablation should not be charged.
+        self._cu_seqlens = [torch.tensor([0, size], dtype=torch.long) for size in self._sizes]
+
+    def __repr__(self) -> str:
+        return f"NodeAtATimeView(microbatch={self.layout.microbatch}, rows={self.num_rows}, nodes={self.nodes.num_nodes})"
+
+    @property
+    def linear_attention_calls(self) -> int:
+        """Chunkwise calls per linear-attention layer: one per node."""
+        return self.nodes.num_nodes
+
+    def linear_attention(self, q, k, v, log_decay, beta, *, scale):
+        self._check_rows(q, "linear_attention q")
+        kernels = self.kernels if self.kernels is not None else default_kernels()
+        # One split per input: its backward is one concatenation, where a slice per node would
+        # materialise a full-size zero gradient per node.
+        pieces = [x.split(self._sizes) for x in (q, k, v, log_decay, beta)]
+        outputs: list[torch.Tensor | None] = [None] * len(self._sizes)
+        finals: dict[int, torch.Tensor] = {}
+        for node in self._order:
+            parent = self._parent[node]
+            o, final, _ = kernels.chunk_linear_attention(
+                *(piece[node] for piece in pieces), self._cu_seqlens[node],
+                chunk_size=self.chunk_size, scale=scale, initial_state=None if parent < 0 else finals[parent],
+            )
+            outputs[node] = o
+            if self._keep_final[node]:
+                finals[node] = final
+        return torch.cat(outputs)
 
 
 @torch.no_grad()

@@ -137,14 +137,20 @@ def microbatch_log_probs(
     with_entropy: bool = False,
     row_chunk: int | None = None,
     kernels: ModuleType | None = None,
+    view_type: type[TreeView] = TreeView,
 ) -> MicrobatchOutput:
-    """Run one microbatch of a compiled plan (e.g. one step of gradient accumulation)."""
+    """Run one microbatch of a compiled plan (e.g. one step of gradient accumulation).
+
+    ``view_type`` builds the execution view from the microbatch's layout; a subclass of
+    :class:`TreeView` changes how sequence operators are scheduled on the same rows (the
+    node-at-a-time ablation, :class:`harts.runtime.ablation.NodeAtATimeView`).
+    """
     module = _module_of(plan)
     _check_plan_matches(module, batch)
     layout = _layout(plan, microbatch)
     _check_vocabulary(model, batch, layout.trajectories)
     device = next(model.parameters()).device
-    view = TreeView(layout, device=device, kernels=kernels)
+    view = view_type(layout, device=device, kernels=kernels)
     input_ids = view.input_ids(batch.tokens)
     hidden, moe = model.forward_hidden(input_ids, view, recompute=recompute)
     rows, next_rows, offsets = log_prob_rows(layout)
@@ -212,18 +218,22 @@ def log_probs(
     with_entropy: bool = False,
     row_chunk: int | None = None,
     kernels: ModuleType | None = None,
+    view_type: type[TreeView] = TreeView,
 ) -> LogProbOutput:
     """Per-token log-probs of ``batch`` under ``model``, executing the compiled ``plan``.
 
     Every microbatch runs on its compact layout; each trajectory's log-probs come from the
     one microbatch that holds it. Differentiable w.r.t. the model's parameters; MoE
-    statistics are summed over microbatches.
+    statistics are summed over microbatches. ``view_type``: see :func:`microbatch_log_probs`.
     """
     module = _module_of(plan)
     _check_plan_matches(module, batch)
     _check_vocabulary(model, batch)
     outputs = [
-        microbatch_log_probs(model, plan, batch, mb.index, recompute=recompute, with_entropy=with_entropy, row_chunk=row_chunk, kernels=kernels)
+        microbatch_log_probs(
+            model, plan, batch, mb.index, recompute=recompute, with_entropy=with_entropy, row_chunk=row_chunk,
+            kernels=kernels, view_type=view_type,
+        )
         for mb in module.microbatches
     ]
     return _assemble(batch, outputs, with_entropy)
