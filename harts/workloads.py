@@ -291,6 +291,55 @@ def swe_like_steps(count: int = 10, scale: float = 1.0) -> list[RolloutBatch]:
     return [swe_like_step(seed=seed, scale=scale) for seed in range(1, count + 1)]
 
 
+def trees_near_compression(batch: RolloutBatch, budget: int, target: float, capacity: int) -> RolloutBatch:
+    """Whole rollout trees of ``batch``, at most ``budget`` raw tokens, whose joint sharing is close to ``target``.
+
+    Sharing is raw tokens over compact-trie tokens of the chosen trajectories together (trees
+    also share the system prompt). Trees whose own compact form exceeds ``capacity`` are left
+    out: the planner would split them and repeat their shared prefix, a different experiment.
+    Greedy: each step adds the tree that fits the budget and brings the joint sharing closest
+    to ``target`` (ties by generation order); it stops when no tree fits. The subset keeps
+    generation order. Raises :class:`RolloutInputError` when no tree qualifies.
+    """
+    from harts.passes.prefix_compress import build_compact_trie
+
+    if not target >= 1.0:
+        raise RolloutInputError(f"trees_near_compression: 'target' must be at least 1, got {target!r}")
+    tree_ids = np.asarray(batch.tree_ids)
+    lengths = batch.lengths
+
+    def sharing(indices: np.ndarray) -> float:
+        return int(lengths[indices].sum()) / build_compact_trie(tuple(batch.tokens[i] for i in indices)).compact_tokens
+
+    candidates: dict[int, np.ndarray] = {}
+    for position, tree in enumerate(dict.fromkeys(tree_ids.tolist())):
+        members = np.flatnonzero(tree_ids == tree)
+        compact = build_compact_trie(tuple(batch.tokens[i] for i in members)).compact_tokens
+        if compact <= capacity and int(lengths[members].sum()) <= budget:
+            candidates[position] = members
+    if not candidates:
+        raise RolloutInputError(
+            f"trees_near_compression: no rollout tree has a compact size within capacity {capacity} "
+            f"and at most {budget} raw tokens"
+        )
+    chosen: dict[int, np.ndarray] = {}
+    total = 0
+    while True:
+        fitting = [p for p, members in candidates.items() if total + int(lengths[members].sum()) <= budget]
+        if not fitting:
+            break
+        def distance(position: int) -> tuple[float, int]:
+            joint = np.concatenate([*chosen.values(), candidates[position]])
+            return abs(sharing(joint) - target), position
+        best = min(fitting, key=distance)
+        chosen[best] = candidates.pop(best)
+        total += int(lengths[chosen[best]].sum())
+    indices = np.concatenate([chosen[p] for p in sorted(chosen)])
+    logger.info("trees_near_compression: %d tree(s), %d trajectories, %d raw tokens, sharing %.3f (target %.3f)",
+                len(chosen), len(indices), total, sharing(indices), target)
+    return batch.subset(indices.tolist())
+
+
 # ----------------------------------------------------------------------------- demo
 
 _DEMO_VOCAB = 1000

@@ -28,6 +28,15 @@ slice of chunks at a time under ``torch.utils.checkpoint`` (recomputed in backwa
 kept), so they never persist. Gated DeltaNet's scalar gates need no such care: the
 [chunks, H, B, B] exponent is masked before ``exp``.
 
+Batch invariance (opt in). cuBLAS picks GEMM and triangular-solve algorithms by shape, so
+the fp32 intra-chunk terms of one chunk can round differently depending on how many other
+chunks share the call; in bf16 models an occasional 1-ulp change then grows over depth.
+With ``HARTS_BATCH_INVARIANT_CHUNKS=P`` (P > 0) the batched steps (a) and (d) run on pieces
+of exactly P chunks (the last piece zero-padded), so every chunk is computed by the same
+kernels whatever else is in the call: a sequence gives bitwise the same outputs packed
+with others or alone, as in the trajectory-wise baseline. It costs one loop over pieces
+and at most P - 1 padded chunks per call.
+
 Bounds: chunk size <= 64, head dims K, V <= 256 (the scan's register tiles). Inputs may be
 bf16/fp16/fp32; everything is computed in fp32, ``o`` is returned in the input dtype and
 final / exported states in fp32.
@@ -35,6 +44,7 @@ final / exported states in fp32.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -51,6 +61,40 @@ __all__ = ["chunk_linear_attention"]
 SUB_CHUNK = 16
 #: Bytes of [.., K]-sized temporaries the KDA pairwise products may use at once.
 PAIRWISE_BUDGET_BYTES = 1 << 30
+#: Environment variable: chunks per fixed-shape piece of the batched steps (unset or 0: one batch).
+BATCH_INVARIANT_ENV = "HARTS_BATCH_INVARIANT_CHUNKS"
+
+
+def invariant_piece_chunks() -> int:
+    """Chunks per fixed-shape piece from ``HARTS_BATCH_INVARIANT_CHUNKS`` (0: off)."""
+    value = os.environ.get(BATCH_INVARIANT_ENV, "").strip() or "0"
+    try:
+        piece = int(value)
+    except ValueError:
+        raise ValueError(f"{BATCH_INVARIANT_ENV} must be a non-negative integer, got {value!r}") from None
+    if piece < 0:
+        raise ValueError(f"{BATCH_INVARIANT_ENV} must be a non-negative integer, got {value!r}")
+    return piece
+
+
+def _in_fixed_pieces(function, tensors: Sequence[torch.Tensor], piece: int):
+    """``function`` over pieces of exactly ``piece`` rows of dim 0 (the last zero-padded), results
+    concatenated and trimmed; ``function`` returns a tensor or a dict of tensors, each with the
+    chunk dimension first."""
+    count = tensors[0].shape[0]
+    if piece <= 0:
+        return function(*tensors)
+    padding = -count % piece
+    if padding:
+        tensors = [torch.cat([t, t.new_zeros(padding, *t.shape[1:])]) for t in tensors]
+    results = [function(*(t[start : start + piece] for t in tensors)) for start in range(0, count + padding, piece)]
+    if isinstance(results[0], dict):
+        return {key: torch.cat([r[key] for r in results])[:count] for key in results[0]}
+    return torch.cat(results)[:count]
+
+
+def _outputs(q_decayed, starts, read, written):
+    return q_decayed @ starts + read @ written  # [NT, H, B, V]
 _LAYOUT_CACHE_SIZE = 64
 
 
@@ -302,18 +346,23 @@ def chunk_linear_attention(
         final = initial_state if initial_state is not None else q.new_zeros(num_sequences, heads, key_dim, value_dim, dtype=f32)
         return v.new_zeros(0, heads, value_dim, dtype=out_dtype), final, q.new_zeros(0, heads, key_dim, value_dim, dtype=f32)
 
-    terms = _intra_chunk_terms(
-        layout.to_chunks((q.to(f32) * scale), chunk_size),
-        layout.to_chunks(k.to(f32), chunk_size),
-        layout.to_chunks(v.to(f32), chunk_size),
-        layout.to_chunks(log_decay.to(f32), chunk_size),
-        layout.to_chunks(beta.to(f32), chunk_size),
+    piece = invariant_piece_chunks()
+    terms = _in_fixed_pieces(
+        _intra_chunk_terms,
+        [
+            layout.to_chunks((q.to(f32) * scale), chunk_size),
+            layout.to_chunks(k.to(f32), chunk_size),
+            layout.to_chunks(v.to(f32), chunk_size),
+            layout.to_chunks(log_decay.to(f32), chunk_size),
+            layout.to_chunks(beta.to(f32), chunk_size),
+        ],
+        piece,
     )
     states, written = state_scan(
         terms["state_weights"], terms["values"], terms["keys_to_end"], terms["gamma_last"], initial_state, layout.scan
     )
     starts = states.index_select(0, layout.chunk_start_slots)  # h: [NT, H, K, V]
-    outputs = terms["q_decayed"] @ starts + terms["read"] @ written  # [NT, H, B, V]
+    outputs = _in_fixed_pieces(_outputs, [terms["q_decayed"], starts, terms["read"], written], piece)
     outputs = outputs.transpose(1, 2).reshape(layout.num_chunks * chunk_size, heads, value_dim)
     o = outputs.index_select(0, layout.token_rows).to(out_dtype)
     final_state = states.index_select(0, layout.final_slots)

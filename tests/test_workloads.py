@@ -20,6 +20,7 @@ from harts.workloads import (
     resolve_input,
     swe_like_step,
     swe_like_steps,
+    trees_near_compression,
 )
 
 
@@ -85,6 +86,34 @@ def test_full_scale_turn_lengths(full_step):
     assistant, tool = np.asarray(assistant), np.asarray(tool)
     assert assistant.max() <= 800 and np.mean(assistant >= 50) > 0.98
     assert tool.max() <= 4_000 and np.mean(tool >= 100) > 0.98
+
+
+@pytest.mark.parametrize("target", [5.0, 5.6])
+def test_trees_near_compression_keeps_whole_trees_near_the_target(target):
+    full = swe_like_step(seed=1, scale=0.25, vocab_size=1000)
+    budget, capacity = 250_000, 65_536
+    subset = trees_near_compression(full, budget, target, capacity)
+    assert subset.semantic_tokens <= budget
+    chosen = set(np.asarray(subset.tree_ids).tolist())
+    full_ids = np.asarray(full.tree_ids)
+    # whole trees, in generation order, each within capacity once compressed
+    assert len(subset) == int(np.isin(full_ids, list(chosen)).sum())
+    assert list(subset.tree_ids) == sorted(subset.tree_ids)
+    for tree in chosen:
+        members = tuple(full.tokens[i] for i in np.flatnonzero(full_ids == tree))
+        assert build_compact_trie(members).compact_tokens <= capacity
+    joint = subset.semantic_tokens / build_compact_trie(subset.tokens).compact_tokens
+    # this step has trees on both sides of the target, so the joint sharing lands close to it
+    assert abs(joint - target) <= 0.03 * target
+    assert len(chosen) >= 2
+
+
+def test_trees_near_compression_errors_name_the_reason():
+    full = swe_like_step(seed=1, scale=0.05, vocab_size=1000)
+    with pytest.raises(RolloutInputError, match="no rollout tree has a compact size within capacity 100"):
+        trees_near_compression(full, 10**9, 3.0, 100)
+    with pytest.raises(RolloutInputError, match="'target' must be at least 1"):
+        trees_near_compression(full, 10**9, 0.5, 65_536)
 
 
 def test_small_step_structure():
