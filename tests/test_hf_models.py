@@ -323,12 +323,22 @@ def test_float64_at_transformers_chunk_size_64(architecture):
 @settings(max_examples=10, deadline=None)
 @given(trajectories=rollout_trees(), architecture=st.sampled_from(["qwen3_next", "kimi_linear"]))
 def test_float32_log_probs_match_transformers(trajectories, architecture):
+    """Close to transformers in float32, and no further than transformers from the exact function.
+
+    Both implementations round in float32; on some random trees their round-off alone reaches
+    about 1e-4 of each other, so the absolute bound is loose and the sharp check is against the
+    float64 computation of the same weights.
+    """
     model = harts_model(architecture, torch.float32)
     out, _ = harts_log_probs(model, trajectories)
     assert out.packed.dtype == torch.float32
+    reference32 = hf_model(architecture, torch.float32)
+    exact_model = _finish(copy.deepcopy(reference32), torch.float64, seed=0, slow_decay=False, perturb=False)
     with torch.no_grad():
-        want = reference_log_probs(hf_model(architecture, torch.float32), trajectories)
-    assert max_log_prob_diff(out.log_probs, want) <= 1e-4
+        want = reference_log_probs(reference32, trajectories)
+        exact = reference_log_probs(exact_model, trajectories)
+    assert max_log_prob_diff(out.log_probs, want) <= 5e-4
+    assert max_log_prob_diff(out.log_probs, exact) <= 2 * max_log_prob_diff(want, exact) + 1e-5
 
 
 @pytest.mark.parametrize(
