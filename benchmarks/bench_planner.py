@@ -59,6 +59,12 @@ def plan_harts(module, repeats: int):
     return scheduled, statistics.median(walls), statistics.median(cpus)
 
 
+def _planner_details(module, dp_size: int) -> dict:
+    """The winning candidate's source and the planner's time per stage (one more, untimed run)."""
+    result = plan(PrefixIndex.from_module(module), PlannerOptions(capacity=module.capacity, dp_size=dp_size))
+    return {"source": result.source, "stage_seconds": dict(result.seconds)}
+
+
 def plan_paper_only(module):
     """The paper's candidate set alone (no re-cut merges, no piece greedy), for comparison."""
     started = time.perf_counter()
@@ -105,7 +111,7 @@ def run(args) -> dict:
                     "cpu_seconds": harts_cpu,
                     "slot_imbalance": slot_imbalances(works, replicas, slots, dp_size),
                     "step_imbalance": step_imbalance(works, replicas, slots, dp_size),
-                    "source": plan(PrefixIndex.from_module(module), PlannerOptions(capacity=module.capacity, dp_size=dp_size)).source,
+                    **_planner_details(module, dp_size),
                 },
                 "paper_only": {
                     "compact": int(sum(paper_only.works)),

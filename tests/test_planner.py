@@ -490,7 +490,7 @@ def test_plan_guarantees(trajectories, capacity, dp_size, exact_threshold, exten
     assume(dp_size * -(-natural_count // dp_size) <= index.size)
     result = plan(index, PlannerOptions(capacity=capacity, dp_size=dp_size, exact_threshold=exact_threshold, extended=extended))
     if not extended:
-        assert not any("pieces" in source or "recut" in source for source, _, _ in result.candidates)
+        assert not any("pieces" in source or "recut" in source or "exchanged" in source for source, _, _ in result.candidates)
     members = sorted(t for group in result.microbatches for t in group)
     assert members == list(range(index.size))
     assert all(group and list(group) == sorted(group) for group in result.microbatches)

@@ -1,7 +1,7 @@
 """``partition-microbatches``: choose microbatch membership by J (§3.2, Eq. 4-10).
 
 Builds every candidate (exact DP or sampled-K evolution, trie-aware greedy, refined
-anchors, slot-balanced copy of the best), instantiates each candidate's replica/slot assignment to rank it by J, and emits
+anchors, subtree-exchanged and slot-balanced copies of the best), instantiates each candidate's replica/slot assignment to rank it by J, and emits
 the winner's microbatches. Replica and slot stay unset here; ``schedule-slots`` sets them
 with the same deterministic rule, so the scheduled module has exactly the J that won.
 """
@@ -34,7 +34,7 @@ def _positive(instance, attribute, value) -> None:
 @register_pass
 class PartitionMicrobatches(Pass):
     name = "partition-microbatches"
-    summary = "candidate microbatch sets (exact DP / sampled-K / trie greedy / refinement / slot balancing) ranked by J"
+    summary = "candidate microbatch sets (exact DP / sampled-K / trie greedy / refinement / subtree exchange / slot balancing) ranked by J"
     requires = Phase.COMPRESSED
     produces = Phase.PARTITIONED
 
@@ -48,6 +48,8 @@ class PartitionMicrobatches(Pass):
         greedy: bool = True
         #: slot balancing of the best candidate (harts.planner.balance); never adds compact work
         balance: bool = True
+        #: subtree exchange of the best candidate (harts.planner.exchange); only lowers compact work
+        exchange: bool = True
 
     def run(self, module: Module, options: Options, ctx: PassContext) -> Module:
         if module.phase < self.requires or module.trie is None:
@@ -67,6 +69,7 @@ class PartitionMicrobatches(Pass):
                 refine=options.refine,
                 greedy=options.greedy,
                 balance=options.balance,
+                exchange=options.exchange,
             ),
         )
         ctx.report("partition-microbatches", 1.0)

@@ -1,33 +1,41 @@
 """Slot balancing: exact subtree moves and swaps that lower J (Eq. 4) without adding compact work.
 
 After a candidate's slot assignment (microbatches sorted by work, blocks of D per slot) the
-heaviest microbatch H of each slot sets that slot's time. Each round proposes, for the H of
-every slot whose maximum is strict, changes of one *subtree* of H (a run of H's members in
-rank order that share more with each other than with the run's neighbours in H; single
-trajectories included):
+heaviest microbatch of each slot sets that slot's time, and J2 is the sum of those maxima.
+With the total work J1 fixed, a lower J2 means less summed excess of the slot maxima over
+the slot means (``D * J2 - J1``, the numerator of Eq. 23 summed over slots).
 
-* moving it to a lighter microbatch of the same slot, or swapping it with a subtree of one;
-* moving it to, or swapping it with a trajectory of, the microbatch holding one of the
-  ``window`` ranks on either side (another piece of the same rollout tree, where it shares
-  its root prefix);
-* swapping a top-level subtree of H with a top-level subtree of any other microbatch.
+Each round evaluates a pool of changes that move one run of a microbatch's members (a
+*subtree*) to another microbatch, or swap two such runs:
 
-Work changes are exact (Eq. 5 through pairwise LCPs of rank neighbours): removing the run
-``h_i..h_j`` saves ``|run| - internal LCPs - LCP(h_{i-1}, h_i) - LCP(h_j, h_{j+1}) +
-LCP(h_{i-1}, h_{j+1})``; inserting it where no remaining member of the receiver lies between
-its ends costs ``C(run) - LCP(p, h_i) - LCP(h_j, q) + LCP(p, q)`` for the receiver's
-neighbours ``p < h_i`` and ``q > h_j`` (other inserts are not proposed). A change is
-admissible only if the two microbatches' summed work does not grow, both stay within
-capacity and H keeps a member, and it either saves work or is estimated to lower the sum of
-slot maxima. Per round the best admissible changes on disjoint microbatches are applied
-together; the slot assignment is re-run and the round is kept only if J strictly decreases
-and the slots' summed excess over their mean (``D * J2 - J1``, the numerator of Eq. 23
-summed over slots) does not grow. Otherwise each change is tried alone under the same test.
-K, coverage, nonemptiness and capacity are preserved; total compact work never increases.
+* *units*: the runs of a microbatch that share only the batch-wide common prefix with the
+  rest of it (for the SWE-like steps, one task's trajectories; a microbatch holding one task
+  is one unit). Every unit may move from a microbatch with several units to any other
+  microbatch, and any two units of different microbatches may swap. Between different trees
+  these changes cost no work, and with many units of assorted sizes their differences give
+  fine-grained transfers;
+* *subtrees* (LCP intervals of a microbatch's sorted members, single trajectories included):
+  moves to the microbatches holding a rank that shares at least as much with the subtree as
+  its own microbatch does (another piece of the same tree; the ``window`` nearest runs of
+  equal labels on either side), and swaps with that microbatch's subtrees of the same tree,
+  or with any of its subtrees when the move alone already saves work (the swap makes room).
+  With ``exchange`` these include the work-saving changes of :mod:`harts.planner.exchange`:
+  balancing frees capacity that lets more subtrees go home.
 
-On near-capacity microbatches that each hold a piece of one large tree (the SWE-like
-benchmark steps) few changes are admissible: moving a subtree to a microbatch without its
-tree duplicates the tree's root prefix, and most microbatches have no room below capacity.
+Work changes are exact (Eq. 5 through pairwise LCPs; inserts are proposed only where no
+remaining member of the receiver lies between the run's ends). The new J2 of every change is
+exact too (:func:`harts.planner.schedule.slot_critical_after`: the slot rule is in effect
+re-run, so a change that moves a microbatch past others and re-forms slots is scored
+correctly). A change is admissible when both microbatches stay within capacity, the summed
+work does not grow, (J1, J2) strictly falls and the summed slot excess ``D * J2 - J1`` does not
+grow; in the first ``free_rounds`` rounds a change that saves work is admissible even when
+the excess grows (J1 comes first in J). A round ranks the pool by (work change, new J2) and
+applies changes in that order on microbatches no earlier change of the round touched,
+re-checking each against the current works; the next round rebuilds the pool. Balancing
+stops after ``rounds`` rounds, after a round that changes nothing, or after a round that
+saves no work and lowers J2 by a negligible share. K, coverage, nonemptiness and capacity
+are preserved; total compact work never increases and J strictly falls with every applied
+change.
 """
 
 from __future__ import annotations
@@ -36,21 +44,16 @@ import logging
 
 import numpy as np
 
+from harts.planner.exchange import Layout, sharing_receivers, subtree_runs
 from harts.planner.ranks import RankSpace
-from harts.planner.schedule import assign_slots, objective_of
+from harts.planner.schedule import assign_slots, objective_of, slot_critical_after
 
 logger = logging.getLogger(__name__)
 
-_RUN_CACHE: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-
-
-def _runs(size: int) -> tuple[np.ndarray, np.ndarray]:
-    """All ``(i, j)`` with ``i <= j`` in ``0..size-1`` except the whole range."""
-    if size not in _RUN_CACHE:
-        first, last = np.triu_indices(size)
-        keep = ~((first == 0) & (last == size - 1))
-        _RUN_CACHE[size] = (first[keep].astype(np.int64), last[keep].astype(np.int64))
-    return _RUN_CACHE[size]
+#: at most this many pool entries are re-checked per round
+_TRIES_PER_ROUND = 256
+#: a round that saves no work and lowers J2 by less than J2 / _NEGLIGIBLE ends the balancing
+_NEGLIGIBLE = 1 << 16
 
 
 def _first_ranks(labels: np.ndarray, count: int) -> np.ndarray:
@@ -65,220 +68,122 @@ def _objective(works: np.ndarray, labels: np.ndarray, dp_size: int) -> tuple[int
     return objective_of(works, replica, slot)
 
 
-def _leading_terms(works: np.ndarray, dp_size: int) -> tuple[int, int]:
-    """J1 and J2 without the replica loop: slots are blocks of D in descending work order."""
-    return int(works.sum()), int(np.sort(works)[::-1][::dp_size].sum())
+def _slot_critical(works: np.ndarray, dp_size: int) -> int:
+    return int(np.sort(works)[::-1][::dp_size].sum())
 
 
-def _better(works: np.ndarray, labels: np.ndarray, current: tuple[int, int, int], dp_size: int):
-    """J of the trial (J3 left 0 unless J1 and J2 tie) if strictly lower than ``current`` and the slots'
-    summed excess over their mean (D * J2 - J1) is not higher; otherwise None. J3 needs the
-    sequential replica loop, so it only runs on a J1/J2 tie."""
-    leading = _leading_terms(works, dp_size)
-    if leading > current[:2] or dp_size * leading[1] - leading[0] > dp_size * current[1] - current[0]:
-        return None
-    trial = _objective(works, labels, dp_size) if leading == current[:2] else (*leading, 0)
-    if trial >= current:
-        return None
-    return trial
+def _units(layout: Layout, floor: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted positions of each group's units: runs split where the in-group adjacent LCP is at most ``floor``."""
+    ends = np.flatnonzero(~layout.same_next | (layout.adjacent <= floor))
+    return np.concatenate([[0], ends[:-1] + 1]).astype(np.int64), ends.astype(np.int64)
 
 
-class _Layout:
-    """Members sorted by (group, rank) with in-group LCP prefix sums for exact run savings."""
-
-    def __init__(self, space: RankSpace, labels: np.ndarray, count: int):
-        n = space.size
-        self.order = order = np.lexsort((np.arange(n), labels))
-        self.keys = labels[order] * n + order
-        self.position = np.empty(n, dtype=np.int64)
-        self.position[order] = np.arange(n)
-        self.counts = np.bincount(labels, minlength=count)
-        self.starts = np.concatenate([[0], np.cumsum(self.counts)])
-        same = labels[order[1:]] == labels[order[:-1]]
-        adjacent = np.zeros(n, dtype=np.int64)  # adjacent[t]: LCP(order[t], order[t+1]) inside one group, else 0
-        adjacent[:-1] = np.where(same, space.lcp_between(order[:-1], order[1:]), 0)
-        self.adjacent = adjacent
-        self.adjacent_prefix = np.concatenate([[0], np.cumsum(adjacent)])
-        self.length_prefix = np.concatenate([[0], np.cumsum(space.lengths[order])])
-
-    def run_saving(self, space: RankSpace, first: np.ndarray, last: np.ndarray, group_first: np.ndarray, group_last: np.ndarray):
-        """Exact C(H) - C(H minus run) and C(run) for runs at sorted positions ``first..last``."""
-        n = space.size
-        length = self.length_prefix[last + 1] - self.length_prefix[first]
-        internal = self.adjacent_prefix[last] - self.adjacent_prefix[first]
-        left = np.where(first > 0, self.adjacent[np.maximum(first - 1, 0)], 0)
-        right = self.adjacent[last]
-        before = np.where(first > group_first, self.order[np.maximum(first - 1, 0)], -1)
-        after = np.where(last < group_last, self.order[np.minimum(last + 1, n - 1)], n)
-        bridge = space.lcp_between(before, after)
-        return length - internal - left - right + bridge, length - internal
+def _expand(owners: np.ndarray, counts: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each owner i, the indices ``starts[i] .. starts[i] + counts[i] - 1``: (repeated owner, index)."""
+    owner = np.repeat(owners, counts)
+    offset = np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    return owner, np.repeat(starts, counts) + offset
 
 
-def _clades(space: RankSpace, layout: _Layout, group: int) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted positions ``first..last`` of the group's subtrees (runs whose members share more with each
-    other than with the run's neighbours in the group); single trajectories included, the whole group not."""
-    size = int(layout.counts[group])
-    if size < 2:
-        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
-    first, last = _runs(size)
-    first, last = first + layout.starts[group], last + layout.starts[group]
-    left = np.where(first > layout.starts[group], layout.adjacent[np.maximum(first - 1, 0)], 0)
-    inside = space.lcp_between(layout.order[first], layout.order[last])
-    keep = (first == last) | (inside > np.maximum(left, layout.adjacent[last]))
-    return first[keep], last[keep]
+class _Pool:
+    """Changes as parallel arrays: run ``a..b`` of microbatch u moves to v, run ``c..d`` of v (if any) to u."""
+
+    def __init__(self):
+        self.parts: list[tuple[np.ndarray, ...]] = []
+
+    def add(self, u, v, a, b, c, d, new_u, new_v, keep) -> None:
+        if np.any(keep):
+            self.parts.append(tuple(np.asarray(x)[keep] for x in (u, v, a, b, c, d, new_u, new_v)))
+
+    def arrays(self):
+        if not self.parts:
+            return None
+        return tuple(np.concatenate(p) for p in zip(*self.parts))
 
 
-def _top_clades(layout: _Layout, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted positions of every group's top-level subtrees (split where the in-group LCP is the group's
-    minimum); groups with a single top-level subtree contribute none."""
-    n = layout.order.size
-    group_of = np.repeat(np.arange(count), layout.counts)
-    inside = np.zeros(n, dtype=bool)
-    inside[:-1] = group_of[:-1] == group_of[1:]
-    lowest = np.full(count, np.iinfo(np.int64).max)
-    np.minimum.at(lowest, group_of[inside], layout.adjacent[inside])
-    cut = inside & (layout.adjacent == lowest[group_of])
-    # a top-level subtree ends at every cut and at every group end
-    ends = np.flatnonzero(cut | ~inside)
-    starts = np.concatenate([[0], ends[:-1] + 1])
-    several = np.bincount(group_of[ends], minlength=count) > 1
-    keep = several[group_of[ends]]
-    return starts[keep], ends[keep]
+def _swap_works(layout: Layout, works, u, v, a, b, c, d, saving_a, work_a, saving_c, work_c):
+    """Exact new works of u and v when u's run a..b and v's run c..d trade places, and whether both inserts are exact."""
+    cost_a, fits_a = layout.insert_cost(v, a, b, work_a, c, d)
+    cost_c, fits_c = layout.insert_cost(u, c, d, work_c, a, b)
+    return works[u] - saving_a + cost_c, works[v] - saving_c + cost_a, fits_a & fits_c
 
 
-def _insert_cost(space: RankSpace, layout: _Layout, labels: np.ndarray, group, first, last, run_work, removed_first, removed_last):
-    """Exact C(G minus removed + run) - C(G minus removed) for the run at sorted positions ``first..last``
-    joining ``group`` after the group's own run ``removed_first..removed_last`` left it (empty when first > last).
+def _pool(space: RankSpace, capacity: int, labels: np.ndarray, works: np.ndarray, layout: Layout, window: int):
+    n, count = space.size, works.size
+    floor = int(space.lcp[1:].min()) if n > 1 else 0
+    pool = _Pool()
 
-    Returns the cost and whether it is exact (no remaining member of the group lies between the run's ends).
+    # units: moves from microbatches with several units to every microbatch, swaps between any two. Units
+    # of different trees share exactly ``floor`` tokens, so a microbatch holding units of distinct trees
+    # has work floor + sum(C(unit) - floor), and a change that keeps every microbatch's trees distinct
+    # moves exactly C(unit) - floor (the others are left to the exact subtree changes below).
+    unit_first, unit_last = _units(layout, floor)
+    unit_group = layout.group_of_position[unit_first]
+    tree_of_rank = np.cumsum(space.lcp <= floor) - 1 if n else np.zeros(0, dtype=np.int64)
+    unit_tree = tree_of_rank[layout.order[unit_first]]
+    unit_size = (layout.length_prefix[unit_last + 1] - layout.length_prefix[unit_first]
+                 - (layout.adjacent_prefix[unit_last] - layout.adjacent_prefix[unit_first])) - floor
+    holds = np.zeros((count, int(tree_of_rank[-1]) + 1 if n else 0), dtype=bool)
+    holds[unit_group, unit_tree] = True
+    per_group = np.bincount(unit_group, minlength=count)
+    movable = np.flatnonzero(per_group[unit_group] >= 2)
+    if movable.size:
+        unit, target = np.repeat(movable, count), np.tile(np.arange(count), movable.size)
+        source = unit_group[unit]
+        new_u, new_v = works[source] - unit_size[unit], works[target] + unit_size[unit]
+        none = np.ones_like(unit), np.zeros_like(unit)
+        pool.add(source, target, unit_first[unit], unit_last[unit], *none, new_u, new_v,
+                 (target != source) & ~holds[target, unit_tree[unit]] & (new_v <= capacity))
+    if unit_first.size > 1:
+        mine, theirs = np.triu_indices(unit_first.size, 1)
+        u, v = unit_group[mine], unit_group[theirs]
+        difference = unit_size[theirs] - unit_size[mine]
+        new_u, new_v = works[u] + difference, works[v] - difference
+        distinct = (unit_tree[mine] == unit_tree[theirs]) | (~holds[v, unit_tree[mine]] & ~holds[u, unit_tree[theirs]])
+        pool.add(u, v, unit_first[mine], unit_last[mine], unit_first[theirs], unit_last[theirs], new_u, new_v,
+                 (u != v) & distinct & (difference != 0) & (new_u <= capacity) & (new_v <= capacity))
+
+    # subtrees: moves to microbatches holding ranks that share as much; swaps with their subtrees of the same
+    # tree, or with any of their subtrees when the move alone already saves work (the swap makes room for it)
+    first, last = subtree_runs(layout)
+    if first.size:
+        group = layout.group_of_position[first]
+        saving, run_work = layout.run_saving(first, last)
+        run, target = sharing_receivers(space, labels, layout, first, last, run_work - saving - 1, window)
+        cost, fits = layout.insert_cost(target, first[run], last[run], run_work[run], np.ones_like(run), np.zeros_like(run))
+        source = group[run]
+        new_u, new_v = works[source] - saving[run], works[target] + cost
+        change = new_u + new_v - works[source] - works[target]
+        free = fits & (change <= 0)
+        none = np.ones_like(run), np.zeros_like(run)
+        pool.add(source, target, first[run], last[run], *none, new_u, new_v, free & (new_v <= capacity))
+        promising = np.flatnonzero(free)
+        if promising.size:
+            runs_per_group = np.bincount(group, minlength=count)
+            group_start = np.concatenate([[0], np.cumsum(runs_per_group)])
+            pick, partner = _expand(promising, runs_per_group[target[promising]], group_start[target[promising]])
+            mine = run[pick]
+            keep = change[pick] < 0
+            keep |= space.lcp_between(np.minimum(layout.order[first[mine]], layout.order[first[partner]]),
+                                      np.maximum(layout.order[first[mine]], layout.order[first[partner]])) > floor
+            mine, partner = mine[keep], partner[keep]
+            u, v = group[mine], group[partner]
+            new_u, new_v, fits = _swap_works(layout, works, u, v, first[mine], last[mine], first[partner], last[partner],
+                                             saving[mine], run_work[mine], saving[partner], run_work[partner])
+            pool.add(u, v, first[mine], last[mine], first[partner], last[partner], new_u, new_v,
+                     fits & (new_u <= capacity) & (new_v <= capacity) & (new_u + new_v <= works[u] + works[v]))
+    return pool.arrays()
+
+
+def balance_slots(space: RankSpace, capacity: int, labels: np.ndarray, dp_size: int, rounds: int = 8, window: int = 4,
+                  exchange: bool = False, exchange_window: int = 8, free_rounds: int = 0) -> np.ndarray:
+    """Labels whose J is strictly lower than the input's, or the input labels unchanged; see the module docstring.
+
+    With ``exchange`` every round's pool also holds the work-saving subtree moves and swaps of
+    :mod:`harts.planner.exchange` (``exchange_window``): balancing changes free capacity that lets
+    more subtrees go home. In the first ``free_rounds`` rounds a change that saves work is taken
+    even when it raises the summed slot excess (J1 comes first in J); later rounds keep the rule.
     """
-    n = space.size
-    low, high = layout.order[first], layout.order[last]
-    at_low = np.searchsorted(layout.keys, group * n + low)
-    at_high = np.searchsorted(layout.keys, group * n + high)
-    overlap = np.maximum(0, np.minimum(at_high, removed_last + 1) - np.maximum(at_low, removed_first))
-    fits = (at_high - at_low - overlap) == 0
-    group_first, group_last = layout.starts[group], layout.starts[group + 1] - 1
-    before = at_low - 1
-    before = np.where((before >= removed_first) & (before <= removed_last), removed_first - 1, before)
-    after = np.where((at_high >= removed_first) & (at_high <= removed_last), removed_last + 1, at_high)
-    before_rank = np.where(before >= group_first, layout.order[np.clip(before, 0, n - 1)], -1)
-    after_rank = np.where(after <= group_last, layout.order[np.clip(after, 0, n - 1)], n)
-    cost = run_work - space.lcp_between(before_rank, low) - space.lcp_between(high, after_rank) + space.lcp_between(before_rank, after_rank)
-    return cost, fits
-
-
-def _proposals(space: RankSpace, capacity: int, labels: np.ndarray, works: np.ndarray, slot: np.ndarray,
-               first_rank: np.ndarray, window: int):
-    """Admissible changes that lower a slot maximum, with disjoint microbatches, best first; and their layout.
-
-    A change is ``(gain, H, M, kind, a, b, c, d, new H work, new M work)``: H's run at sorted positions
-    ``a..b`` moves to M; kind 1 also moves M's run ``c..d`` to H (swaps only inside H's slot).
-    Receivers M: the other microbatches of H's slot, and the microbatches holding one of the ``window``
-    ranks on either side of the run (where a subtree's siblings live, so the move adds no work).
-    """
-    n, count = space.size, len(works)
-    layout = _Layout(space, labels, count)
-    slot_count = int(slot.max()) + 1
-    by_slot = np.lexsort((first_rank, -works, slot)).reshape(slot_count, -1)  # heaviest first within each slot
-    slot_max = works[by_slot[:, 0]]
-    second = works[by_slot[:, 1]] if by_slot.shape[1] > 1 else np.zeros(slot_count, dtype=np.int64)
-    third = works[by_slot[:, 2]] if by_slot.shape[1] > 2 else np.zeros(slot_count, dtype=np.int64)
-    second_id = by_slot[:, 1] if by_slot.shape[1] > 1 else np.full(slot_count, -1)
-    parts = []
-    for row in by_slot:
-        heavy = int(row[0])
-        if row.size < 2 or works[row[1]] >= works[heavy]:
-            continue
-        heavy_first, heavy_last = _clades(space, layout, heavy)
-        if heavy_first.size == 0:
-            continue
-        receivers = [labels[np.clip(layout.order[heavy_first] - k, 0, n - 1)] for k in range(1, window + 1)]
-        receivers += [labels[np.clip(layout.order[heavy_last] + k, 0, n - 1)] for k in range(1, window + 1)]
-        receivers = np.stack(receivers, axis=1)
-        reps = receivers.shape[1]
-        far = receivers.reshape(-1)
-        far_first, far_last = np.repeat(heavy_first, reps), np.repeat(heavy_last, reps)
-        keep = far != heavy
-        # a move is a swap with an empty run of M (first > last)
-        parts.append((far[keep], far_first[keep], far_last[keep], np.ones(int(keep.sum()), dtype=np.int64),
-                      np.zeros(int(keep.sum()), dtype=np.int64)))
-        # swaps with the nearby trajectory itself: siblings exchanged between two pieces of one tree
-        partner = np.concatenate([np.clip(layout.order[heavy_first][:, None] - np.arange(1, window + 1), 0, n - 1),
-                                  np.clip(layout.order[heavy_last][:, None] + np.arange(1, window + 1), 0, n - 1)], axis=1).reshape(-1)
-        partner_position = layout.position[partner]
-        keep = labels[partner] != heavy
-        parts.append((labels[partner][keep], far_first[keep], far_last[keep], partner_position[keep], partner_position[keep]))
-        for light in row[1:][works[row[1:]] < works[heavy]].tolist():
-            light_first, light_last = _clades(space, layout, light)
-            size = heavy_first.size * (1 + light_first.size)
-            parts.append((np.full(size, light), np.concatenate([heavy_first, np.repeat(heavy_first, light_first.size)]),
-                          np.concatenate([heavy_last, np.repeat(heavy_last, light_first.size)]),
-                          np.concatenate([np.ones(heavy_first.size, dtype=np.int64), np.tile(light_first, heavy_first.size)]),
-                          np.concatenate([np.zeros(heavy_first.size, dtype=np.int64), np.tile(light_last, heavy_first.size)])))
-    heavies = by_slot[:, 0][(by_slot.shape[1] > 1) & (second < slot_max)]
-    if heavies.size:
-        # whole-tree swaps with every microbatch: trees share at most the common root prefix, so
-        # exchanging them costs no work, and there are enough pairs for fine-grained transfers
-        top_first, top_last = _top_clades(layout, count)
-        top_group = labels[layout.order[top_first]]
-        is_heavy = np.zeros(count, dtype=bool)
-        is_heavy[heavies] = True
-        mine = np.flatnonzero(is_heavy[top_group])
-        theirs = np.arange(top_first.size)
-        mine, theirs = np.repeat(mine, theirs.size), np.tile(theirs, mine.size)
-        keep = top_group[mine] != top_group[theirs]
-        mine, theirs = mine[keep], theirs[keep]
-        parts.append((top_group[theirs], top_first[mine], top_last[mine], top_first[theirs], top_last[theirs]))
-    if not parts:
-        return None
-    light, mine_first, mine_last, theirs_first, theirs_last = (np.concatenate(p) for p in zip(*parts))
-    heavy = labels[layout.order[mine_first]]
-    swapped = theirs_first <= theirs_last
-    mine_saving, mine_work = layout.run_saving(space, mine_first, mine_last, layout.starts[heavy], layout.starts[heavy + 1] - 1)
-    safe_first, safe_last = np.where(swapped, theirs_first, 0), np.where(swapped, theirs_last, 0)
-    theirs_saving, theirs_work = layout.run_saving(space, safe_first, safe_last, layout.starts[light], layout.starts[light + 1] - 1)
-    theirs_saving, theirs_work = np.where(swapped, theirs_saving, 0), np.where(swapped, theirs_work, 0)
-    mine_cost, mine_fits = _insert_cost(space, layout, labels, light, mine_first, mine_last, mine_work,
-                                        np.where(swapped, theirs_first, 1), np.where(swapped, theirs_last, 0))
-    theirs_cost, theirs_fits = _insert_cost(space, layout, labels, heavy, safe_first, safe_last, theirs_work, mine_first, mine_last)
-    theirs_cost, theirs_fits = np.where(swapped, theirs_cost, 0), np.where(swapped, theirs_fits, True)
-    new_heavy = works[heavy] - mine_saving + theirs_cost
-    new_light = works[light] - theirs_saving + mine_cost
-    change = new_heavy + new_light - works[heavy] - works[light]
-    home, away = slot[heavy], slot[light]
-    # same slot: the slot's new maximum; other slot: H's slot drops, M's slot may rise above its maximum
-    rest_same = np.where(second_id[home] == light, third[home], second[home])
-    gain_same = works[heavy] - np.maximum(np.maximum(new_heavy, new_light), rest_same)
-    gain_other = works[heavy] - np.maximum(new_heavy, second[home]) - np.maximum(0, new_light - slot_max[away])
-    gain = np.where(home == away, gain_same, gain_other)
-    admissible = mine_fits & theirs_fits & (change <= 0) & (new_light <= capacity) & (new_heavy <= capacity)
-    keep = np.flatnonzero(admissible & ((gain > 0) | (change < 0)))
-    if keep.size == 0:
-        return None
-    ranked = keep[np.lexsort((keep, change[keep], -gain[keep]))]
-    used: set[int] = set()
-    changes = []
-    for c in ranked.tolist():
-        h, m = int(heavy[c]), int(light[c])
-        if h in used or m in used:
-            continue
-        used.update((h, m))
-        changes.append((int(gain[c]), h, m, int(swapped[c]), int(mine_first[c]), int(mine_last[c]), int(theirs_first[c]),
-                        int(theirs_last[c]), int(new_heavy[c]), int(new_light[c])))
-    return changes, layout
-
-
-def _apply(labels: np.ndarray, works: np.ndarray, layout: _Layout, proposal) -> None:
-    _, heavy, light, kind, a, b, c, d, new_heavy, new_light = proposal
-    labels[layout.order[a : b + 1]] = light
-    if kind == 1:
-        labels[layout.order[c : d + 1]] = heavy
-    works[heavy], works[light] = new_heavy, new_light
-
-
-def balance_slots(space: RankSpace, capacity: int, labels: np.ndarray, dp_size: int, rounds: int = 8, window: int = 4) -> np.ndarray:
-    """Labels whose J is strictly lower than the input's, or the input labels unchanged; see the module docstring."""
     labels = np.asarray(labels, dtype=np.int64).copy()
     count = int(labels.max()) + 1
     if count % dp_size or dp_size < 2:
@@ -286,29 +191,47 @@ def balance_slots(space: RankSpace, capacity: int, labels: np.ndarray, dp_size: 
     works = space.group_works(labels, count)
     if works.max() > capacity:
         return labels
-    current = initial = _objective(works, labels, dp_size)
-    for _ in range(rounds):
-        first_rank = _first_ranks(labels, count)
-        _, slot = assign_slots(works, first_rank, dp_size)
-        result = _proposals(space, capacity, labels, works, slot, first_rank, window)
-        if result is None:
+    initial = _objective(works, labels, dp_size)
+    total, critical = initial[0], initial[1]
+    for round_index in range(rounds):
+        round_start = (total, critical)
+        layout = Layout(space, labels, count)
+        found = _pool(space, capacity, labels, works, layout, max(window, exchange_window) if exchange else window)
+        if found is None:
             break
-        proposals, layout = result
-        trial_labels, trial_works = labels.copy(), works.copy()
-        for proposal in proposals:
-            _apply(trial_labels, trial_works, layout, proposal)
-        if _better(trial_works, trial_labels, current, dp_size) is not None:
-            labels, works, current = trial_labels, trial_works, _objective(trial_works, trial_labels, dp_size)
-            continue
-        improved = False
-        for proposal in proposals:
-            # proposals touch disjoint microbatches, so each stays exact after others are applied
-            trial_labels, trial_works = labels.copy(), works.copy()
-            _apply(trial_labels, trial_works, layout, proposal)
-            if _better(trial_works, trial_labels, current, dp_size) is not None:
-                labels, works, improved = trial_labels, trial_works, True
-                current = _objective(works, labels, dp_size)
-        if not improved:
+        u, v, a, b, c, d, new_u, new_v = found
+        change = new_u + new_v - works[u] - works[v]
+        after = slot_critical_after(works, dp_size, u, new_u, v, new_v)
+        excess = dp_size * critical - total
+        free = round_index < free_rounds
+        useful = ((change < 0) | (after < critical)) & ((dp_size * after - (total + change) <= excess) | (free & (change < 0)))
+        useful = np.flatnonzero(useful)
+        if useful.size == 0:
             break
-    logger.debug("slot balancing: J %s -> %s", initial, current)
+        ranked = useful[np.lexsort((d[useful], c[useful], b[useful], a[useful], after[useful], change[useful]))]
+        touched = np.zeros(count, dtype=bool)
+        applied = 0
+        for k in ranked[:_TRIES_PER_ROUND].tolist():
+            first_group, second_group = int(u[k]), int(v[k])
+            if touched[first_group] or touched[second_group]:
+                continue
+            trial = works.copy()
+            trial[first_group], trial[second_group] = new_u[k], new_v[k]
+            trial_total, trial_critical = total + int(change[k]), _slot_critical(trial, dp_size)
+            if (trial_total, trial_critical) >= (total, critical):
+                continue
+            if dp_size * trial_critical - trial_total > dp_size * critical - total and not (free and trial_total < total):
+                continue
+            labels[layout.order[a[k] : b[k] + 1]] = second_group
+            if c[k] <= d[k]:
+                labels[layout.order[c[k] : d[k] + 1]] = first_group
+            works, total, critical = trial, trial_total, trial_critical
+            touched[first_group] = touched[second_group] = True
+            applied += 1
+        if not applied:
+            break
+        if total == round_start[0] and (round_start[1] - critical) * _NEGLIGIBLE < critical:
+            break  # the round only shaved a negligible share of J2 off: later rounds would gain less
+    final = _objective(works, labels, dp_size)
+    logger.debug("slot balancing: J %s -> %s", initial, final)
     return labels

@@ -15,6 +15,8 @@ reasons about cut positions and their LCP values.
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from harts.planner.ranks import RankSpace
@@ -197,6 +199,10 @@ def evolve_partitions(space: RankSpace, capacity: int, natural: np.ndarray, targ
     ``fallback`` (only when no pair fits) or ``always`` (also when it saves more).
     A split takes the cheapest cut of any microbatch, ties to the heavier microbatch then
     the leftmost. A target that the chain cannot reach has no entry.
+
+    Each step changes at most three adjacent microbatches, so the chains keep every pair's
+    merged work and every window's best re-cut and recompute only the entries next to the
+    change (plain Python on prefix sums: the per-step work is a few scalar queries).
     """
     if recut not in RECUT_MODES:
         raise ValueError(f"unknown re-cut mode {recut!r}; known: {', '.join(RECUT_MODES)}")
@@ -206,55 +212,125 @@ def evolve_partitions(space: RankSpace, capacity: int, natural: np.ndarray, targ
         result[k_natural] = natural.copy()
     below = sorted((k for k in targets if k < k_natural), reverse=True)
     above = sorted(k for k in targets if k > k_natural)
-    n = space.size
+    if below:
+        result.update(_merge_chain(space, capacity, natural, below, recut))
+    if above:
+        result.update(_split_chain(space, natural, above))
+    return result
 
-    starts = natural.copy()
+
+def _merge_chain(space: RankSpace, capacity: int, natural: np.ndarray, below: list[int], recut: str) -> dict[int, np.ndarray]:
+    n = space.size
+    length_prefix = space.length_prefix.tolist()
+    lcp_prefix = space.lcp_prefix.tolist()
+    lcp = space.lcp.tolist()
+    lcp_min = space.index.lcp_min
+    # W(a, e) = rising[e] - falling[a]; both only grow with their argument
+    rising = [length_prefix[e + 1] - lcp_prefix[e + 1] for e in range(n)]
+    falling = [length_prefix[a] - lcp_prefix[a + 1] for a in range(n)]
+    starts = [int(a) for a in natural]
+
+    def end(i: int) -> int:
+        return starts[i + 1] - 1 if i + 1 < len(starts) else n - 1
+
+    def pair_work(i: int) -> int:  # the work of microbatches i and i+1 merged
+        return rising[end(i + 1)] - falling[starts[i]]
+
+    def window(i: int):
+        """(saving, lowest, highest) of the best re-cut of microbatches i..i+2, None if no cut fits."""
+        a, e = starts[i], end(i + 2)
+        highest = min(bisect.bisect_right(rising, capacity + falling[a]), e)
+        lowest = max(bisect.bisect_left(falling, rising[e] - capacity), a + 1)
+        if lowest > highest:
+            return None
+        return works[i] + works[i + 1] + works[i + 2] - (rising[e] - falling[a] + lcp_min(lowest, highest)), lowest, highest
+
+    works = [rising[end(i)] - falling[starts[i]] for i in range(len(starts))]
+    pairs = [pair_work(i) for i in range(len(starts) - 1)]
+    windows = [window(i) for i in range(len(starts) - 2)] if recut != "never" else []
+    result: dict[int, np.ndarray] = {}
     for target in below:
         while len(starts) > target:
-            ends = partition_ends(starts, n)
-            merged = space.interval_works(starts[:-1], ends[1:])
-            saving = space.lcp[starts[1:]]
-            feasible = np.flatnonzero(merged <= capacity)
-            wanted = recut == "always" or (recut == "fallback" and feasible.size == 0)
-            best_recut = _best_recut(space, capacity, starts) if wanted else None
-            if best_recut is not None and (feasible.size == 0 or best_recut[2] > saving[feasible].max()):
-                first, cut, _ = best_recut
-                starts = np.concatenate([starts[: first + 1], [cut], starts[first + 3 :]])
+            count = len(starts)
+            best_merge = None  # (saving, -merged work, -position)
+            for i in range(count - 1):
+                if pairs[i] <= capacity:
+                    key = (lcp[starts[i + 1]], -pairs[i], -i)
+                    if best_merge is None or key > best_merge:
+                        best_merge = key
+            best_recut = None  # (saving, -position)
+            if recut == "always" or (recut == "fallback" and best_merge is None):
+                for i, value in enumerate(windows):
+                    if value is not None and (best_recut is None or value[0] > best_recut[0]):
+                        best_recut = (value[0], -i)
+            if best_recut is not None and (best_merge is None or best_recut[0] > best_merge[0]):
+                first = -best_recut[1]
+                _, lowest, highest = windows[first]
+                cut = _recut_position(space, starts[first], end(first + 2), lowest, highest)
+                last = end(first + 2)
+                starts[first + 1 : first + 3] = [cut]
+                works[first : first + 3] = [rising[cut - 1] - falling[starts[first]], rising[last] - falling[cut]]
+                count -= 1
+                # entries overlapping the three old microbatches give way to those overlapping the two new ones
+                low = max(0, first - 1)
+                pairs[low : min(count, first + 3)] = [pair_work(i) for i in range(low, min(count - 1, first + 2))]
+                low = max(0, first - 2)
+                windows[low : min(count - 1, first + 3)] = [window(i) for i in range(low, min(count - 2, first + 2))] if windows else []
                 continue
-            if feasible.size == 0:
+            if best_merge is None:
                 break
-            pick = feasible[np.lexsort((feasible, merged[feasible], -saving[feasible]))[0]]
-            starts = np.delete(starts, pick + 1)
+            pick = -best_merge[2]
+            works[pick : pick + 2] = [pairs[pick]]
+            del starts[pick + 1]
+            count -= 1
+            # entries overlapping the two old microbatches give way to those overlapping the merged one
+            low = max(0, pick - 1)
+            pairs[low : min(count, pick + 2)] = [pair_work(i) for i in range(low, min(count - 1, pick + 1))]
+            low = max(0, pick - 2)
+            windows[low : min(count - 1, pick + 2)] = [window(i) for i in range(low, min(count - 2, pick + 1))] if windows else []
         if len(starts) != target:
             break
-        result[target] = starts.copy()
+        result[target] = np.array(starts, dtype=np.int64)
+    return result
 
-    if above:
-        bounds = [(int(a), int(b)) for a, b in zip(natural, partition_ends(natural, n))]
-        best: dict[tuple[int, int], tuple[int, int]] = {}
 
-        def cheapest(interval: tuple[int, int]) -> tuple[int, int] | None:
-            if interval[0] == interval[1]:
-                return None
-            if interval not in best:
-                best[interval] = _best_split(space, *interval)
-            return best[interval]
+def _recut_position(space: RankSpace, first: int, last: int, lowest: int, highest: int) -> int:
+    """The cut of a re-cut of ranks first..last within [lowest, highest]: the lowest LCP, then the lighter heavier side,
+    then the more even cut, then the leftmost (as :func:`_best_recut`)."""
+    cuts = np.arange(lowest, highest + 1)
+    values = space.lcp[cuts]
+    cuts = cuts[values == values.min()]
+    left = space.interval_works(np.full_like(cuts, first), cuts - 1)
+    right = space.interval_works(cuts, np.full_like(cuts, last))
+    return int(cuts[np.lexsort((cuts, np.abs(left - right), np.maximum(left, right)))[0]])
 
-        for target in above:
-            while len(bounds) < target:
-                options = []
-                for position, interval in enumerate(bounds):
-                    split = cheapest(interval)
-                    if split is not None:
-                        options.append((split[1], -space.interval_work(*interval), position, split[0]))
-                if not options:
-                    break
-                _, _, position, cut = min(options)
-                first, last = bounds[position]
-                bounds[position : position + 1] = [(first, cut - 1), (cut, last)]
-            if len(bounds) != target:
+
+def _split_chain(space: RankSpace, natural: np.ndarray, above: list[int]) -> dict[int, np.ndarray]:
+    n = space.size
+    bounds = [(int(a), int(b)) for a, b in zip(natural, partition_ends(natural, n))]
+    costs: dict[tuple[int, int], int] = {}
+    result: dict[int, np.ndarray] = {}
+    for target in above:
+        while len(bounds) < target:
+            best = None  # (cheapest cut's LCP, -work, position): the cut itself is fixed by the interval
+            for position, (first, last) in enumerate(bounds):
+                if first == last:
+                    continue
+                cost = costs.get((first, last))
+                if cost is None:
+                    cost = costs[(first, last)] = space.index.lcp_min(first + 1, last)
+                key = (cost, -space.interval_work(first, last), position)
+                if best is None or key < best:
+                    best = key
+            if best is None:
                 break
-            result[target] = np.array([first for first, _ in bounds], dtype=np.int64)
+            position = best[2]
+            first, last = bounds[position]
+            cut, _ = _best_split(space, first, last)
+            bounds[position : position + 1] = [(first, cut - 1), (cut, last)]
+        if len(bounds) != target:
+            break
+        result[target] = np.array([first for first, _ in bounds], dtype=np.int64)
     return result
 
 
@@ -262,26 +338,37 @@ def evolve_partitions(space: RankSpace, capacity: int, natural: np.ndarray, targ
 def refine_boundaries(space: RankSpace, capacity: int, starts: np.ndarray, window: int = 8, sweeps: int = 2) -> np.ndarray:
     """Move each cut within ``window`` ranks when that lowers (sum, max) of its two neighbours.
 
-    At most ``sweeps`` left-to-right sweeps; stops after a sweep that moves nothing.
+    At most ``sweeps`` left-to-right sweeps; stops after a sweep that moves nothing. Among the
+    feasible positions the lowest (sum, max, distance from the current cut, position) wins.
+    The windows are a few ranks wide, so plain Python on the prefix sums beats array calls.
     """
     starts = starts.copy()
     n = space.size
+    length_prefix = space.length_prefix.tolist()
+    lcp_prefix = space.lcp_prefix.tolist()
+    # W(a, b) = rising[b] - falling[a]
+    rising = [length_prefix[b + 1] - lcp_prefix[b + 1] for b in range(n)]
+    falling = [length_prefix[a] - lcp_prefix[a + 1] for a in range(n)]
+    cuts = starts.tolist()
     for _ in range(sweeps):
         moved = False
-        for i in range(1, len(starts)):
-            first = int(starts[i - 1])
-            last = int(starts[i + 1]) - 1 if i + 1 < len(starts) else n - 1
-            current = int(starts[i])
-            cuts = np.arange(max(first + 1, current - window), min(last, current + window) + 1)
-            left = space.interval_works(np.full_like(cuts, first), cuts - 1)
-            right = space.interval_works(cuts, np.full_like(cuts, last))
-            feasible = (left <= capacity) & (right <= capacity)
-            cuts, left, right = cuts[feasible], left[feasible], right[feasible]
-            pick = np.lexsort((np.abs(cuts - current), np.maximum(left, right), left + right))[0]
-            here = np.flatnonzero(cuts == current)[0]
-            if (left[pick] + right[pick], max(left[pick], right[pick])) < (left[here] + right[here], max(left[here], right[here])):
-                starts[i] = cuts[pick]
+        for i in range(1, len(cuts)):
+            first = cuts[i - 1]
+            last = cuts[i + 1] - 1 if i + 1 < len(cuts) else n - 1
+            current = cuts[i]
+            head, tail = -falling[first], rising[last]
+            left, right = rising[current - 1] + head, tail - falling[current]
+            here = (left + right, max(left, right))
+            best = None
+            for cut in range(max(first + 1, current - window), min(last, current + window) + 1):
+                left, right = rising[cut - 1] + head, tail - falling[cut]
+                if left <= capacity and right <= capacity:
+                    key = (left + right, max(left, right), abs(cut - current), cut)
+                    if best is None or key < best:
+                        best = key
+            if best is not None and best[:2] < here:
+                cuts[i] = best[3]
                 moved = True
         if not moved:
             break
-    return starts
+    return np.array(cuts, dtype=starts.dtype)

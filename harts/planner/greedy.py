@@ -164,6 +164,138 @@ def place_all(space: RankSpace, capacity: int, lanes: list[tuple[np.ndarray, str
 
 
 def _place_group(space: RankSpace, capacity: int, lanes: list[tuple[np.ndarray, str]], columns: int) -> list[Packing]:
+    pairs = space.pair_table()
+    if pairs is None:
+        return _place_group_ranges(space, capacity, lanes, columns)
+    return _place_group_pairs(space, capacity, lanes, columns, pairs)
+
+
+def _neighbour_tables_from_labels(labels: np.ndarray, columns: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """``before[c, r]`` / ``after[c, r]``: the largest member of ``c`` below ``r`` / smallest above (-1 / N if none).
+
+    Built rank-major (cumulative max/min down the ranks, one row per rank) and returned as
+    ``(columns, N)`` views.
+    """
+    n = labels.size
+    before = np.full((n, columns), -1, dtype=dtype)
+    after = np.full((n, columns), n, dtype=dtype)  # row n-1-r holds rank r
+    if n > 1:
+        ranks = np.arange(n, dtype=dtype)
+        before[ranks[1:], labels[:-1]] = ranks[:-1]
+        after[n - 1 - ranks[:-1], labels[1:]] = ranks[1:]
+        np.maximum.accumulate(before, axis=0, out=before)
+        np.minimum.accumulate(after, axis=0, out=after)
+    return before.T, after[::-1].T
+
+
+def _place_group_pairs(space: RankSpace, capacity: int, lanes: list[tuple[np.ndarray, str]], columns: int,
+                       pairs: np.ndarray) -> list[Packing]:
+    """:func:`place_all` with Eq. 10's two LCPs read from the all-pairs table (same plans, fewer operations).
+
+    A lane in ascending rank order always inserts above every member, so each microbatch's
+    only neighbour is its largest member (and in descending order its smallest); those lanes
+    keep one rank per microbatch. Other lanes keep the full ``before``/``after`` tables, rank
+    major (``table[lane, rank, before/after, column]``) so each step reads one row per lane. The
+    tables of the ordered lanes are rebuilt from the labels at the end.
+    """
+    n = space.size
+    kinds = []
+    for order, _ in lanes:
+        if np.array_equal(order, np.arange(n)):
+            kinds.append(0)  # ascending
+        elif np.array_equal(order, np.arange(n)[::-1]):
+            kinds.append(1)  # descending
+        else:
+            kinds.append(2)
+    internal = sorted(range(len(lanes)), key=lambda lane: kinds[lane] == 2)  # ordered lanes first, stable
+    count = len(lanes)
+    ordered = sum(kind < 2 for kind in kinds)
+    tabled = count - ordered
+    kind_of = [kinds[lane] for lane in internal]
+    orders = np.stack([lanes[lane][0] for lane in internal])
+    multiplier = np.array([0 if lanes[lane][1] == "best-fit" else capacity + 1 for lane in internal], dtype=np.int64)[:, None]
+    dtype = np.int16 if n < np.iinfo(np.int16).max else np.int32
+    unopened = np.int64(1) << np.int64(40)  # an unopened column can take nothing
+
+    def edges_for(width: int) -> np.ndarray:
+        edges = np.empty((ordered, 2, width), dtype=dtype)
+        edges[:, 0], edges[:, 1] = -1, n
+        return edges
+
+    def table_for(width: int) -> np.ndarray:
+        table = np.empty((tabled, n, 2, width), dtype=dtype)
+        table[:, :, 0], table[:, :, 1] = -1, n
+        return table
+
+    edges, table = edges_for(columns), table_for(columns)
+    work = np.full((count, columns), unopened, dtype=np.int64)
+    labels = np.full((count, n), -1, dtype=np.int64)
+    used = [0] * count
+    lane_ids = np.arange(count)
+    lane_list = list(range(count))
+    lengths = space.lengths
+    flat_pairs = pairs.reshape(-1)
+    # per step: the flat offset of each lane's row in the pair table, and the inserted length
+    row_offsets = (orders * (n + 1)).T.copy()[:, :, None, None]
+    step_lengths = lengths[orders].T.copy()[:, :, None]
+    # the flat row of each tabled lane's inserted rank, per step
+    tabled_rows = (np.arange(tabled)[:, None] * n + orders[ordered:]).T.copy()
+    for step in range(n):
+        width = max(max(used), 1)
+        if tabled:
+            rows = table.reshape(tabled * n, 2, -1).take(tabled_rows[step], axis=0)[:, :, :width]
+            neighbours = np.concatenate([edges[:, :, :width], rows]) if ordered else rows
+        else:
+            neighbours = edges[:, :, :width]
+        # max(LCP(p, x), LCP(x, q)) for every lane and open column: |x| - ΔC of Eq. 10
+        shared = flat_pairs.take(neighbours + row_offsets[step]).max(axis=1)
+        work_after = work[:, :width] - shared
+        work_after += step_lengths[step]
+        # best-fit ranks by the work after insertion; max-shared by shared tokens, then that work
+        score = shared * multiplier
+        score += work_after
+        score[work_after > capacity] = -1
+        choice = score.argmax(axis=1)
+        fits = (score[lane_ids, choice] >= 0).tolist()
+        for lane, rank, column, ok in zip(lane_list, orders[:, step].tolist(), choice.tolist(), fits):
+            if ok:
+                work[lane, column] = work_after[lane, column]
+            else:
+                column = used[lane]
+                used[lane] += 1
+                if column == work.shape[1]:
+                    grown = 2 * columns
+                    wider_edges, wider_table = edges_for(grown), table_for(grown)
+                    wider_edges[:, :, :columns], wider_table[:, :, :, :columns] = edges, table
+                    edges, table, columns = wider_edges, wider_table, grown
+                    work = np.concatenate([work, np.full_like(work, unopened)], axis=1)
+                work[lane, column] = lengths[rank]
+            kind = kind_of[lane]
+            if kind == 0:
+                edges[lane, 0, column] = rank
+            elif kind == 1:
+                edges[lane, 1, column] = rank
+            else:
+                row = table[lane - ordered, :, :, column]
+                low, high = int(row[rank, 0]), int(row[rank, 1])
+                row[rank + 1 : high + 1, 0] = rank
+                row[max(low, 0) : rank, 1] = rank
+            labels[lane, rank] = column
+    packings: list[Packing | None] = [None] * count
+    for position, lane in enumerate(internal):
+        if position < ordered:
+            # room for a few more microbatches (DP alignment opens some) before the tables grow
+            width = min(columns, used[position] + 8)
+            before, after = _neighbour_tables_from_labels(labels[position], width, dtype)
+            packings[lane] = Packing(space, capacity, before, after, work[position, :width], used[position], labels[position])
+        else:
+            before, after = table[position - ordered, :, 0].T, table[position - ordered, :, 1].T
+            packings[lane] = Packing(space, capacity, before, after, work[position], used[position], labels[position])
+    return packings
+
+
+def _place_group_ranges(space: RankSpace, capacity: int, lanes: list[tuple[np.ndarray, str]], columns: int) -> list[Packing]:
+    """Lockstep placement with range-minimum queries (used when the pair table would be too large)."""
     n = space.size
     count = len(lanes)
     orders = np.stack([order for order, _ in lanes])
@@ -235,13 +367,17 @@ def place_pieces(space: RankSpace, capacity: int, starts: np.ndarray, policy: st
     packing = Packing(space, capacity, np.full((columns, n), -1, dtype=np.int32), np.full((columns, n), n, dtype=np.int32),
                       np.zeros(columns, dtype=np.int64), 0, np.full(n, -1, dtype=np.int64))
     scale = np.int64(capacity) + 1
+    pairs = space.pair_table()
     for piece in np.lexsort((starts, -works)).tolist():
         first, last, work = int(starts[piece]), int(ends[piece]), int(works[piece])
         if packing.used:
             below = packing.before[: packing.used, first].astype(np.int64)
             above = packing.after[: packing.used, last].astype(np.int64)
-            delta = (work - space.range_min(below + 1, np.full_like(below, first))
-                     - space.range_min(np.full_like(above, last + 1), above) + space.range_min(below + 1, above))
+            if pairs is not None:  # Eq. 10 for the piece: LCP(p, a), LCP(b, q), LCP(p, q) from the pair table
+                delta = work - pairs[first, below].astype(np.int64) - pairs[last, above] + pairs[below, above]
+            else:
+                delta = (work - space.range_min(below + 1, np.full_like(below, first))
+                         - space.range_min(np.full_like(above, last + 1), above) + space.range_min(below + 1, above))
             work_after = packing.work[: packing.used] + delta
             feasible = work_after <= capacity
             if feasible.any():

@@ -15,6 +15,9 @@ import numpy as np
 
 from harts.ir.prefix_index import PrefixIndex
 
+#: the all-pairs LCP table is built only when it takes at most this many bytes
+PAIR_TABLE_BYTES = 64 << 20
+
 
 class RankSpace:
     """Interval work, pairwise LCP and group work for arrays of ranks."""
@@ -39,6 +42,36 @@ class RankSpace:
             self._table[level, : len(values)] = values
         # frexp's exponent is exact for integers, unlike a rounded log2
         self._floor_log2 = np.frexp(np.arange(n + 2, dtype=np.float64))[1].astype(np.int64) - 1
+        self._pair_table: np.ndarray | None = None
+        self._pair_table_built = False
+        #: subtree runs of member sets, kept by the subtree exchange and slot balancing
+        self.subtree_cache: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+
+    def pair_table(self) -> np.ndarray | None:
+        """All pairwise LCPs, ``table[i, j] = LCP(i, j)`` for ranks ``i != j``, or None when too large.
+
+        The table has ``N + 1`` rows and columns; row and column ``N`` are zero, so a missing
+        neighbour encoded as ``N`` (successor) or ``-1`` (predecessor, which numpy reads as the
+        last index) yields 0, as Eq. 10 requires. The diagonal holds each trajectory's length.
+        Built once per batch (one cumulative minimum per rank) when it fits
+        :data:`PAIR_TABLE_BYTES`; the greedy search, :meth:`lcp_between` and
+        :meth:`neighbour_shared` then read LCPs with one gather instead of range-minimum
+        queries (the results are the same either way).
+        """
+        if not self._pair_table_built:
+            n = self.size
+            dtype = np.uint16 if self.lengths.max(initial=0) <= np.iinfo(np.uint16).max else np.int32
+            if (n + 1) * (n + 1) * np.dtype(dtype).itemsize <= PAIR_TABLE_BYTES:
+                table = np.zeros((n + 1, n + 1), dtype=dtype)
+                lcp = self.lcp.astype(dtype)
+                for i in range(n - 1):
+                    values = np.minimum.accumulate(lcp[i + 1 :])
+                    table[i, i + 1 : n] = values
+                    table[i + 1 : n, i] = values
+                table[np.arange(n), np.arange(n)] = self.lengths
+                self._pair_table = table
+            self._pair_table_built = True
+        return self._pair_table
 
     # ------------------------------------------------------------------ scalar
     def interval_work(self, a: int, b: int) -> int:
@@ -59,6 +92,9 @@ class RankSpace:
 
     def lcp_between(self, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
         """LCP of ranks ``lower < upper`` elementwise; ``lower == -1`` or ``upper == N`` give 0."""
+        table = self.pair_table()
+        if table is not None:
+            return table[lower, upper].astype(np.int64)
         return self.range_min(lower + 1, upper)
 
     def neighbour_shared(self, rank, predecessors: np.ndarray, successors: np.ndarray) -> np.ndarray:
@@ -69,6 +105,9 @@ class RankSpace:
         this returns the subtracted maximum (``|x| - ΔC``, the tokens ``x`` shares).
         Missing neighbours are encoded as ``-1`` and ``N``.
         """
+        table = self.pair_table()
+        if table is not None:
+            return np.maximum(table[rank, predecessors], table[rank, successors]).astype(np.int64)
         return np.maximum(self.range_min(predecessors + 1, np.broadcast_to(rank, predecessors.shape)),
                           self.range_min(np.broadcast_to(rank + 1, successors.shape), successors))
 

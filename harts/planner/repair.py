@@ -58,8 +58,9 @@ def _best_move(space: RankSpace, capacity: int, labels: np.ndarray, works: np.nd
     movers = np.concatenate(sources)
     if movers.size == 0:
         return None
-    pairs = np.unique(movers * (labels.max() + 1) + np.concatenate(destinations))
-    movers, targets = pairs // (labels.max() + 1), pairs % (labels.max() + 1)
+    # a (mover, target) pair can repeat (several nearby ranks in one microbatch); repeats score alike and
+    # the pick below is a total order on distinct pairs, so they need no removal
+    targets = np.concatenate(destinations)
     before, after = _neighbours_in(space, labels, order, keys, movers, targets)
     cost = space.lengths[movers] - space.neighbour_shared(movers, before, after)
     source_after = works[labels[movers]] - saving[movers]

@@ -24,16 +24,20 @@ def assign_slots(works: Sequence[int], keys: Sequence[int], dp_size: int) -> tup
     if dp_size < 1 or count % dp_size:
         raise PlanningError(f"cannot schedule {count} microbatches on {dp_size} DP replicas: the count must be a multiple of dp_size")
     order = np.lexsort((keys, -works))
-    replica = np.empty(count, dtype=np.int64)
     slot = np.empty(count, dtype=np.int64)
-    cumulative = np.zeros(dp_size, dtype=np.int64)
-    ids = np.arange(dp_size)
-    for j in range(count // dp_size):
-        block = order[j * dp_size : (j + 1) * dp_size]
-        lightest_first = np.lexsort((ids, cumulative))
-        replica[block] = lightest_first
-        slot[block] = j
-        cumulative[lightest_first] += works[block]
+    slot[order] = np.arange(count) // dp_size
+    # the replica loop is sequential (each block sees the totals so far) and D is small: plain Python
+    ordered_works = works[order].tolist()
+    cumulative = [0] * dp_size
+    replicas = list(range(dp_size))
+    assigned = []
+    for start in range(0, count, dp_size):
+        lightest_first = sorted(replicas, key=lambda d: (cumulative[d], d))
+        assigned.extend(lightest_first)
+        for d, work in zip(lightest_first, ordered_works[start : start + dp_size]):
+            cumulative[d] += work
+    replica = np.empty(count, dtype=np.int64)
+    replica[order] = assigned
     return replica, slot
 
 
@@ -48,6 +52,52 @@ def objective_of(works: Sequence[int], replica: Sequence[int], slot: Sequence[in
     np.maximum.at(slot_max, slot, works)
     replica_total = np.bincount(replica, weights=works).astype(np.int64)
     return int(works.sum()), int(slot_max.sum()), int(replica_total.max())
+
+
+def slot_critical_after(works: Sequence[int], dp_size: int, first: np.ndarray, first_new: np.ndarray,
+                        second: np.ndarray, second_new: np.ndarray) -> np.ndarray:
+    """J2 (the sum of slot maxima under the slot rule) after ``works[first] = first_new`` and
+    ``works[second] = second_new``, for arrays of such two-microbatch changes (``first != second``).
+
+    Slots are consecutive blocks of D in descending work order, so J2 is the sum of the sorted
+    works at positions 0, D, 2D, ...; it depends on the works alone, not on how ties are
+    ordered. Removing two works and inserting two shifts every other work's position by a
+    step function with at most four steps, so each change costs a few lookups in per-residue
+    prefix sums of the sorted works.
+    """
+    works = np.asarray(works, dtype=np.int64)
+    first, second = np.asarray(first, dtype=np.int64), np.asarray(second, dtype=np.int64)
+    first_new, second_new = np.asarray(first_new, dtype=np.int64), np.asarray(second_new, dtype=np.int64)
+    count = works.size
+    order = np.argsort(-works, kind="stable")
+    values = works[order]
+    position = np.empty(count, dtype=np.int64)
+    position[order] = np.arange(count)
+    residues = np.zeros((dp_size, count + 1), dtype=np.int64)
+    for residue in range(dp_size):
+        residues[residue, 1:] = np.cumsum(np.where(np.arange(count) % dp_size == residue, values, 0))
+    flat = residues.reshape(-1)
+    p1, p2 = position[first], position[second]
+    # a new work is inserted after every work strictly greater than it
+    t1 = np.searchsorted(-values, -first_new, side="left")
+    t2 = np.searchsorted(-values, -second_new, side="left")
+    events = np.stack([p1 + 1, p2 + 1, t1, t2], axis=1)  # where each removal / insertion starts shifting
+    steps = np.array([-1, -1, 1, 1])
+    sort = np.argsort(events, axis=1, kind="stable")
+    events = np.take_along_axis(events, sort, axis=1)
+    rows = events.shape[0]
+    bounds = np.concatenate([np.zeros((rows, 1), dtype=np.int64), events, np.full((rows, 1), count)], axis=1)
+    shift = np.concatenate([np.zeros((rows, 1), dtype=np.int64), np.cumsum(steps[sort], axis=1)], axis=1)
+    # a kept work at sorted position j lands at j + shift and counts when that is a multiple of D
+    residue = (-shift) % dp_size
+    total = (flat[residue * (count + 1) + bounds[:, 1:]] - flat[residue * (count + 1) + bounds[:, :-1]]).sum(axis=1)
+    for removed in (p1, p2):  # the segment sums above include the two removed works: take them out
+        moved = (t1 <= removed).astype(np.int64) + (t2 <= removed) - (p1 < removed) - (p2 < removed)
+        total -= np.where((removed + moved) % dp_size == 0, values[removed], 0)
+    second_ahead = (t2 < t1) | ((t2 == t1) & (second_new > first_new))
+    index_first = t1 - (p1 < t1) - (p2 < t1) + second_ahead
+    index_second = t2 - (p1 < t2) - (p2 < t2) + ~second_ahead
+    return total + np.where(index_first % dp_size == 0, first_new, 0) + np.where(index_second % dp_size == 0, second_new, 0)
 
 
 def objective(microbatches: Iterable) -> tuple[int, int, int]:

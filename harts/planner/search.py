@@ -21,10 +21,16 @@ Refinement (``refine=True``) adds refined copies without removing anything: for 
 inputs only the greedy candidates are refined; for large inputs also up to three base
 anchors (the base plan at the greedy K, the lowest-work base plan, the base plan whose K
 is closest to the greedy K). Contiguous candidates get boundary refinement first; all
-get sparse repair. Every candidate is then assigned to replicas and slots. With
-``balance=True`` (and D > 1) the ``balance_candidates`` best candidates by J also get
-within-slot balancing (``harts.planner.balance``: exact subtree moves and swaps that never add
-compact work), added as ``...+balanced`` copies when their J is strictly lower. The
+get sparse repair. Every candidate is then assigned to replicas and slots.
+
+Two further steps go beyond the paper and also only add candidates. With ``exchange=True``
+(and ``extended``) the ``exchange_candidates`` best candidates by J get subtree exchange
+(``harts.planner.exchange``: whole subtrees moved or swapped to a microbatch that shares more
+with them, while that strictly lowers compact work), added as ``...+exchanged``. With
+``balance=True`` (and D > 1) the ``balance_candidates`` best candidates by J then get
+within-slot balancing (``harts.planner.balance``: exact subtree and unit moves and swaps that
+never add compact work, scored by the exact J2 after the slot rule), added as
+``...+balanced``. Each copy is added only when its J is strictly lower. The
 lexicographically smallest J wins (ties: smaller K, then the first generated).
 """
 
@@ -38,7 +44,7 @@ import numpy as np
 
 from harts.errors import PlanningError
 from harts.ir.prefix_index import PrefixIndex
-from harts.planner import balance, contiguous, greedy, repair
+from harts.planner import balance, contiguous, exchange, greedy, repair
 from harts.planner.ranks import RankSpace
 from harts.planner.schedule import assign_slots, objective_of
 
@@ -59,8 +65,9 @@ class PlannerOptions:
     boundary_sweeps: int = 2
     repair_iterations: int = 4
     refine_anchors: int = 3
-    #: add the candidates that go beyond the paper (re-cut merges, piece greedy); False
-    #: generates exactly the paper's candidate set
+    #: add the candidates that go beyond the paper (re-cut merges, piece greedy, subtree
+    #: exchange); False generates exactly the paper's candidate set (slot balancing is
+    #: switched separately by ``balance``)
     extended: bool = True
     #: within-slot balancing (``harts.planner.balance``) of the best candidates by J; it only
     #: adds candidates whose J is strictly lower and whose total work is not higher
@@ -68,6 +75,16 @@ class PlannerOptions:
     balance_candidates: int = 1
     balance_rounds: int = 8
     balance_window: int = 4
+    #: with ``exchange``: balancing rounds that take every work-saving subtree exchange, even one
+    #: that raises the slot excess (later rounds keep the excess from growing)
+    balance_exchange_rounds: int = 3
+    #: subtree exchange (``harts.planner.exchange``) of the best candidates by J: whole subtrees
+    #: moved or swapped between microbatches when that strictly lowers compact work; needs
+    #: ``extended`` (it goes beyond the paper) and only adds candidates
+    exchange: bool = True
+    exchange_candidates: int = 1
+    exchange_rounds: int = 32
+    exchange_window: int = 8
 
 
 @attrs.frozen(eq=False)
@@ -232,10 +249,24 @@ def plan(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
     seconds["select"] = clock() - started
 
     started = clock()
+    if options.exchange and options.extended:
+        ranked = sorted(enumerate(candidates), key=lambda item: (item[1].objective, item[1].count, item[0]))
+        for _, candidate in ranked[: options.exchange_candidates]:
+            exchanged = exchange.exchange_subtrees(space, capacity, candidate.labels, options.exchange_rounds, options.exchange_window)
+            exchanged_candidate = _instantiate(space, exchanged, dp_size, f"{candidate.source}+exchanged")
+            if exchanged_candidate.objective < candidate.objective and exchanged_candidate.labels.tobytes() not in seen:
+                seen.add(exchanged_candidate.labels.tobytes())
+                candidates.append(exchanged_candidate)
+    seconds["exchange"] = clock() - started
+
+    started = clock()
     if options.balance and dp_size > 1:
         ranked = sorted(enumerate(candidates), key=lambda item: (item[1].objective, item[1].count, item[0]))
         for _, candidate in ranked[: options.balance_candidates]:
-            balanced = balance.balance_slots(space, capacity, candidate.labels, dp_size, options.balance_rounds, options.balance_window)
+            exchanging = options.exchange and options.extended
+            balanced = balance.balance_slots(space, capacity, candidate.labels, dp_size, options.balance_rounds, options.balance_window,
+                                             exchange=exchanging, exchange_window=options.exchange_window,
+                                             free_rounds=options.balance_exchange_rounds if exchanging else 0)
             balanced_candidate = _instantiate(space, balanced, dp_size, f"{candidate.source}+balanced")
             if balanced_candidate.objective < candidate.objective and balanced_candidate.labels.tobytes() not in seen:
                 seen.add(balanced_candidate.labels.tobytes())
