@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 from hypothesis import strategies as st
 
 from harts.batch import RolloutBatch
@@ -61,4 +62,16 @@ def chunk_aligned_token_trees(draw, *, chunk_size: int = 8, max_trajectories: in
         else:
             base, fork, tail_length = [], 0, draw(st.integers(1, max_length))
         trajectories.append(base[:fork] + [next(fresh) for _ in range(tail_length)])
+    return trajectories
+
+
+def forked_trajectories(chunk: int) -> list[list[int]]:
+    """Two-level forks just before, on and after a chunk boundary and mid-chunk (fixed, seed 0)."""
+    rng = np.random.default_rng(0)
+    prompt = list(rng.integers(0, 50, 21))
+    trajectories = []
+    for fork in (chunk - 1, chunk, chunk + 1, 13):
+        base = prompt[:fork] + list(rng.integers(0, 50, 12))
+        trajectories.append(base)
+        trajectories.append(base[: fork + 5] + list(rng.integers(0, 50, 9)))
     return trajectories

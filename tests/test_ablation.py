@@ -10,19 +10,13 @@ import harts
 from harts.runtime import HybridConfig, HybridModel, log_probs_baseline
 from harts.runtime.ablation import NoReplayView, divergence_by_depth, fork_positions, handoff_depths
 from harts.runtime.view import BaselineView
+from tests.strategies import forked_trajectories
 
 CHUNK = 8
 
 
 def forked_batch():
-    rng = np.random.default_rng(0)
-    prompt = list(rng.integers(0, 50, 21))
-    trajectories = []
-    for fork in (CHUNK - 1, CHUNK, CHUNK + 1, 13):
-        base = prompt[:fork] + list(rng.integers(0, 50, 12))
-        trajectories.append(base)
-        trajectories.append(base[: fork + 5] + list(rng.integers(0, 50, 9)))
-    return harts.RolloutBatch.from_trajectories(trajectories)
+    return harts.RolloutBatch.from_trajectories(forked_trajectories(CHUNK))
 
 
 def hidden(model, batch, view):
@@ -86,7 +80,7 @@ def test_replay_matches_the_baseline_where_no_replay_does_not():
     logits = model.logits(states[torch.as_tensor(rows)]).double()
     targets = torch.as_tensor(np.concatenate([t[1:] for t in batch.tokens]))
     no_replay = (torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]).float()
-    replay_error = float((replay - baseline).abs().max())
+    replay_error = float((replay - baseline).detach().abs().max())
     no_replay_error = float((no_replay - baseline).abs().max())
     assert replay_error <= no_replay_error
     assert no_replay_error > 0

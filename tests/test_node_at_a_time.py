@@ -25,7 +25,7 @@ from harts.errors import PlanningError
 from harts.kernels import dispatch
 from harts.runtime import HybridConfig, HybridModel, log_probs_baseline, microbatch_log_probs
 from harts.runtime.ablation import NodeAtATimeView, NoReplayView, TrieNodes, fork_positions
-from tests.strategies import chunk_aligned_token_trees, token_trees
+from tests.strategies import chunk_aligned_token_trees, forked_trajectories, token_trees
 
 CHUNK = 8
 VOCAB = 512
@@ -120,14 +120,7 @@ def test_forks_anywhere_equal_the_no_replay_oracle_forward_and_gradients(traject
 
 def forked_batch():
     """Two-level forks just before, on and after a chunk boundary and mid-chunk."""
-    rng = np.random.default_rng(0)
-    prompt = list(rng.integers(0, 50, 21))
-    trajectories = []
-    for fork in (CHUNK - 1, CHUNK, CHUNK + 1, 13):
-        base = prompt[:fork] + list(rng.integers(0, 50, 12))
-        trajectories.append(base)
-        trajectories.append(base[: fork + 5] + list(rng.integers(0, 50, 9)))
-    return trajectories
+    return forked_trajectories(CHUNK)
 
 
 @pytest.mark.parametrize("linear", ["kda", "gdn"])

@@ -29,6 +29,15 @@ def objective_by_labels(index, labels, dp_size):
     return works, replica, slot, objective_of(works, replica, slot)
 
 
+def prepared_case(case, slack: int):
+    """A labelled forest ready for a planner step: index, rank space, D, labels, K, J before, capacity."""
+    trajectories, dp_size, labels = case
+    index = compressed_index(trajectories)
+    count = int(labels.max()) + 1
+    before_works, _, _, before = objective_by_labels(index, labels, dp_size)
+    return index, RankSpace(index), dp_size, labels, count, before, int(before_works.max()) + slack
+
+
 @st.composite
 def labelled_forests(draw):
     """A forest, a D, and a random labelling with K a multiple of D and every group nonempty."""
@@ -43,12 +52,7 @@ def labelled_forests(draw):
 @settings(max_examples=80, deadline=None)
 @given(labelled_forests(), st.sampled_from([0, 3, 20, 10_000]), st.sampled_from([1, 4]))
 def test_balancing_keeps_guarantees_and_never_adds_work(case, slack, window):
-    trajectories, dp_size, labels = case
-    index = compressed_index(trajectories)
-    space = RankSpace(index)
-    count = int(labels.max()) + 1
-    before_works, _, _, before = objective_by_labels(index, labels, dp_size)
-    capacity = int(before_works.max()) + slack
+    index, space, dp_size, labels, count, before, capacity = prepared_case(case, slack)
     balanced = balance_slots(space, capacity, labels, dp_size, rounds=8, window=window)
     assert balanced.shape == labels.shape
     assert sorted(set(balanced.tolist())) == list(range(count))  # coverage, K, every microbatch nonempty
@@ -175,12 +179,7 @@ def test_unrelated_trees_move_and_swap_across_slots_at_no_cost():
 @settings(max_examples=80, deadline=None)
 @given(labelled_forests(), st.sampled_from([0, 3, 20, 10_000]), st.sampled_from([0, 2]))
 def test_balancing_with_exchange_keeps_guarantees_and_only_lowers_j(case, slack, free_rounds):
-    trajectories, dp_size, labels = case
-    index = compressed_index(trajectories)
-    space = RankSpace(index)
-    count = int(labels.max()) + 1
-    before_works, _, _, before = objective_by_labels(index, labels, dp_size)
-    capacity = int(before_works.max()) + slack
+    index, space, dp_size, labels, count, before, capacity = prepared_case(case, slack)
     balanced = balance_slots(space, capacity, labels, dp_size, rounds=8, window=2, exchange=True, exchange_window=4,
                              free_rounds=free_rounds)
     assert sorted(set(balanced.tolist())) == list(range(count))  # coverage, K, every microbatch nonempty

@@ -11,7 +11,7 @@ from harts.planner import PlannerOptions, RankSpace, plan
 from harts.planner import greedy, repair
 from harts.planner.exchange import Layout, exchange_subtrees, subtree_runs
 from tests.test_planner import compressed_index, forests, work_of
-from tests.test_planner_balance import labelled_forests, objective_by_labels
+from tests.test_planner_balance import labelled_forests, objective_by_labels, prepared_case
 
 
 def brute_force_subtrees(index, labels):
@@ -88,12 +88,7 @@ def test_layout_costs_match_recomputation(case, data):
 @settings(max_examples=80, deadline=None)
 @given(labelled_forests(), st.sampled_from([0, 3, 20, 10_000]), st.sampled_from([1, 8]))
 def test_exchange_keeps_guarantees_and_only_lowers_work(case, slack, window):
-    trajectories, dp_size, labels = case
-    index = compressed_index(trajectories)
-    space = RankSpace(index)
-    count = int(labels.max()) + 1
-    before_works, _, _, before = objective_by_labels(index, labels, dp_size)
-    capacity = int(before_works.max()) + slack
+    index, space, dp_size, labels, count, before, capacity = prepared_case(case, slack)
     exchanged = exchange_subtrees(space, capacity, labels, rounds=16, window=window)
     assert exchanged.shape == labels.shape
     assert sorted(set(exchanged.tolist())) == list(range(count))  # coverage, K, every microbatch nonempty
