@@ -324,14 +324,15 @@ def trees_near_compression(batch: RolloutBatch, budget: int, target: float, capa
         )
     chosen: dict[int, np.ndarray] = {}
     total = 0
+    def distance_if_added(position: int) -> tuple[float, int]:
+        joint = np.concatenate([*chosen.values(), candidates[position]])
+        return abs(sharing(joint) - target), position
+
     while True:
         fitting = [p for p, members in candidates.items() if total + int(lengths[members].sum()) <= budget]
         if not fitting:
             break
-        def distance(position: int) -> tuple[float, int]:
-            joint = np.concatenate([*chosen.values(), candidates[position]])
-            return abs(sharing(joint) - target), position
-        best = min(fitting, key=distance)
+        best = min(fitting, key=distance_if_added)
         chosen[best] = candidates.pop(best)
         total += int(lengths[chosen[best]].sum())
     indices = np.concatenate([chosen[p] for p in sorted(chosen)])
