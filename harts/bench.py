@@ -2,7 +2,8 @@
 
 Builds the model from ``HybridConfig.preset(--preset)`` (``--layers N`` keeps the first N
 layers' pattern, bf16 on CUDA), generates one SWE-like rollout step, keeps whole rollout
-trees until ``--tokens`` raw tokens, compiles it with capacity ``--capacity`` and measures:
+trees until ``--tokens`` raw tokens (in generation order, or with ``--target-compression X``
+the trees whose joint sharing is closest to X), compiles it with capacity ``--capacity`` and measures:
 
 * ``baseline``: F/B/Grad of the trajectory-wise baseline (trajectories packed first-fit
   into microbatches of at most ``--capacity`` raw tokens, one packed call per operator);
@@ -38,8 +39,12 @@ reference loop).
 
 Run (H200)::
 
-    PYTHONUNBUFFERED=1 harts bench --out bench_runtime.json            # 24 layers (or python benchmarks/bench_runtime.py ...)
+    PYTHONUNBUFFERED=1 harts bench --tokens 200000 --target-compression 5.6 --batch-invariant-chunks 32 --out bench_runtime.json
     PYTHONUNBUFFERED=1 harts bench --layers 4 --out bench_runtime_l4.json
+
+(the first is the recorded headline: 24 layers, about 5.6x compression, the linear-attention
+kernel's batched steps on fixed 32-chunk pieces so HARTS is bitwise the baseline's forward;
+``python benchmarks/bench_runtime.py`` takes the same arguments)
 
 CPU smoke test::
 
