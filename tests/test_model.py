@@ -25,13 +25,7 @@ from harts.runtime.view import BaselineView, ExecutionView
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors: intra-op threads only add contention on a shared CPU."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_thread")
 COMBINATIONS = list(itertools.product(["kda", "gdn"], ["mha", "gqa", "mla"], ["dense", "moe"]))
 
 

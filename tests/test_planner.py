@@ -31,6 +31,13 @@ from harts.planner import contiguous, greedy, repair
 from tests.strategies import token_trees
 
 
+def two_groups(index: PrefixIndex, second: list[int]) -> np.ndarray:
+    """Canonical rank labels of two microbatches: the trajectories (input order) in ``second`` and the rest."""
+    labels = np.zeros(index.size, dtype=np.int64)
+    labels[index.rank[second]] = 1
+    return greedy.canonical_labels(labels)
+
+
 def compressed_index(token_lists) -> PrefixIndex:
     batch = RolloutBatch.from_trajectories(token_lists)
     module = PrefixCompress().run(lower(batch), PrefixCompress.Options(), PassContext(batch=batch))
@@ -306,10 +313,7 @@ def test_sparse_repair_moves_a_stray_trajectory_home():
     trajectories = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 4, 7], [9, 8, 7], [9, 8, 6]]
     index = compressed_index(trajectories)
     space = RankSpace(index)
-    rank = index.rank
-    labels = np.zeros(5, dtype=np.int64)
-    labels[rank[[2, 3, 4]]] = 1
-    labels = greedy.canonical_labels(labels)
+    labels = two_groups(index, [2, 3, 4])
     repaired = repair.sparse_repair(space, 100, labels)
     groups = {tuple(sorted(index.order[np.flatnonzero(repaired == g)])) for g in range(2)}
     assert groups == {(0, 1, 2), (3, 4)} or groups == {(0, 1), (2, 3, 4)}

@@ -38,6 +38,15 @@ def prepared_case(case, slack: int):
     return index, RankSpace(index), dp_size, labels, count, before, int(before_works.max()) + slack
 
 
+def checked_objective(index, labels, changed, dp_size, count, capacity):
+    """J of ``changed`` after asserting the guarantees: one label per trajectory, K nonempty microbatches, capacity."""
+    assert changed.shape == labels.shape
+    assert sorted(set(changed.tolist())) == list(range(count))  # coverage, K, every microbatch nonempty
+    works, _, _, objective = objective_by_labels(index, changed, dp_size)
+    assert works.max() <= capacity
+    return objective
+
+
 @st.composite
 def labelled_forests(draw):
     """A forest, a D, and a random labelling with K a multiple of D and every group nonempty."""
@@ -54,10 +63,7 @@ def labelled_forests(draw):
 def test_balancing_keeps_guarantees_and_never_adds_work(case, slack, window):
     index, space, dp_size, labels, count, before, capacity = prepared_case(case, slack)
     balanced = balance_slots(space, capacity, labels, dp_size, rounds=8, window=window)
-    assert balanced.shape == labels.shape
-    assert sorted(set(balanced.tolist())) == list(range(count))  # coverage, K, every microbatch nonempty
-    works, _, _, after = objective_by_labels(index, balanced, dp_size)
-    assert works.max() <= capacity
+    after = checked_objective(index, labels, balanced, dp_size, count, capacity)
     assert after[0] <= before[0]
     if np.array_equal(balanced, labels):
         assert after == before
@@ -182,9 +188,7 @@ def test_balancing_with_exchange_keeps_guarantees_and_only_lowers_j(case, slack,
     index, space, dp_size, labels, count, before, capacity = prepared_case(case, slack)
     balanced = balance_slots(space, capacity, labels, dp_size, rounds=8, window=2, exchange=True, exchange_window=4,
                              free_rounds=free_rounds)
-    assert sorted(set(balanced.tolist())) == list(range(count))  # coverage, K, every microbatch nonempty
-    works, _, _, after = objective_by_labels(index, balanced, dp_size)
-    assert works.max() <= capacity
+    after = checked_objective(index, labels, balanced, dp_size, count, capacity)
     assert after[0] <= before[0]
     if np.array_equal(balanced, labels):
         assert after == before

@@ -10,8 +10,8 @@ from harts.errors import PlanningError
 from harts.planner import PlannerOptions, RankSpace, plan
 from harts.planner import greedy, repair
 from harts.planner.exchange import Layout, exchange_subtrees, subtree_runs
-from tests.test_planner import compressed_index, forests, work_of
-from tests.test_planner_balance import labelled_forests, objective_by_labels, prepared_case
+from tests.test_planner import compressed_index, forests, two_groups, work_of
+from tests.test_planner_balance import checked_objective, labelled_forests, prepared_case
 
 
 def brute_force_subtrees(index, labels):
@@ -90,10 +90,7 @@ def test_layout_costs_match_recomputation(case, data):
 def test_exchange_keeps_guarantees_and_only_lowers_work(case, slack, window):
     index, space, dp_size, labels, count, before, capacity = prepared_case(case, slack)
     exchanged = exchange_subtrees(space, capacity, labels, rounds=16, window=window)
-    assert exchanged.shape == labels.shape
-    assert sorted(set(exchanged.tolist())) == list(range(count))  # coverage, K, every microbatch nonempty
-    works, _, _, after = objective_by_labels(index, exchanged, dp_size)
-    assert works.max() <= capacity
+    after = checked_objective(index, labels, exchanged, dp_size, count, capacity)
     if np.array_equal(exchanged, labels):
         assert after == before
     else:
@@ -131,10 +128,7 @@ def test_a_stranded_subtree_moves_home_where_single_moves_cannot_help():
     trajectories = [prompt + [1] * 4, prompt + [2] * 4, prompt + stem + [1], prompt + stem + [2], [9] * 12]
     index = compressed_index(trajectories)
     space = RankSpace(index)
-    rank = index.rank
-    labels = np.zeros(5, dtype=np.int64)
-    labels[rank[[2, 3, 4]]] = 1
-    labels = greedy.canonical_labels(labels)
+    labels = two_groups(index, [2, 3, 4])
     capacity = 64
     assert np.array_equal(repair.sparse_repair(space, capacity, labels, window=8, iterations=4), labels)
     exchanged = exchange_subtrees(space, capacity, labels)
