@@ -1,12 +1,14 @@
 """Tables 2 and 3 of §5.2: HARTS microbatch planning against the OR-Tools planning baseline.
 
-For each generated SWE-like step (seeds 1..steps) and each DP degree D:
+For each generated SWE-like step (seeds 1..steps, profile ``--profile`` of
+``harts.workloads.SWE_LIKE_PROFILES``) and each DP degree D:
   * HARTS: the ``partition-microbatches`` and ``schedule-slots`` passes on the compressed
     module (timed together, best of ``--repeats`` runs; the prefix index is built inside);
   * OR-Tools: ``benchmarks/ortools_baseline.py`` on the same compressed module.
 Planning times exclude batch generation and prefix-compress (reported separately).
 
-    python benchmarks/bench_planner.py                       # 10 steps, scale 1.0, D = 2 4 8
+    python benchmarks/bench_planner.py                       # 10 steps, scale 1.0, D = 2 4 8, calibrated
+    python benchmarks/bench_planner.py --profile large-trees # the steps with trees larger than T
     python benchmarks/bench_planner.py --steps 3 --scale 0.3 --dp 2 4
     python benchmarks/bench_planner.py --update-results benchmarks/RESULTS.md --notes NOTES.md
     python benchmarks/bench_planner.py --from-json run.json   # re-render an earlier --json run
@@ -40,10 +42,16 @@ from harts.passes.prefix_compress import PrefixCompress  # noqa: E402
 from harts.passes.schedule_slots import ScheduleSlots  # noqa: E402
 from harts.ir.prefix_index import PrefixIndex  # noqa: E402
 from harts.planner import PlannerOptions, objective, plan, slot_imbalances, step_imbalance  # noqa: E402
-from harts.workloads import swe_like_step  # noqa: E402
+from harts.workloads import SWE_LIKE_PROFILES, swe_like_step  # noqa: E402
 
 SECTION = "## Microbatch planning (Tables 2-3)"
-_RUN_ARGS = ("steps", "scale", "dp", "table2_dp", "capacity", "time_limit", "workers", "repeats")
+_RUN_ARGS = ("profile", "steps", "scale", "dp", "table2_dp", "capacity", "time_limit", "workers", "repeats")
+#: runs recorded before profiles existed used the generator's only shape, now ``large-trees``
+_PROFILE_BEFORE_PROFILES = "large-trees"
+
+
+def section_title(profile: str) -> str:
+    return f"{SECTION}, {profile} profile"
 logger = logging.getLogger("bench_planner")
 
 
@@ -76,7 +84,7 @@ def run(args) -> dict:
     rows = []
     for seed in range(1, args.steps + 1):
         started = time.perf_counter()
-        batch = swe_like_step(seed=seed, scale=args.scale)
+        batch = swe_like_step(seed=seed, scale=args.scale, profile=args.profile)
         generate_seconds = time.perf_counter() - started
         base = lower(batch, capacity=args.capacity, dp_size=1)
         started = time.perf_counter()
@@ -150,15 +158,21 @@ def _fmt(value: int) -> str:
     return f"{value:,}"
 
 
+def _relative(value: int, reference: int) -> str:
+    share = (reference - value) / reference * 100
+    return f"{share:.2f}% fewer" if share >= 0 else f"{-share:.2f}% more"
+
+
 def render(result: dict) -> str:
     args = result["args"]
     steps = result["steps"]
     d2 = args["table2_dp"]
+    profile = args.get("profile", _PROFILE_BEFORE_PROFILES)
     command = "python benchmarks/bench_planner.py " + " ".join(
-        [f"--steps {args['steps']}", f"--scale {args['scale']}", "--dp " + " ".join(map(str, args["dp"])),
+        [f"--profile {profile}", f"--steps {args['steps']}", f"--scale {args['scale']}", "--dp " + " ".join(map(str, args["dp"])),
          f"--table2-dp {d2}", f"--capacity {args['capacity']}", f"--time-limit {args['time_limit']}",
          f"--workers {args['workers']}", f"--repeats {args['repeats']}"])
-    lines = [SECTION, ""]
+    lines = [section_title(profile), ""]
     lines.append(f"Command: `{command}` on {result['machine']} (the machine was shared with other jobs; times are wall clock).")
     lines.append("")
     lines.append(f"### Table 2: planning quality and planning time (T = {args['capacity']:,}, D = {d2})")
@@ -181,8 +195,8 @@ def render(result: dict) -> str:
         )
     lines.append("")
     lines.append(f"Sum over steps: HARTS {_fmt(total_h)}, OR-Tools {_fmt(total_o)} compact tokens "
-                 f"({(total_o - total_h) / total_o * 100:.2f}% fewer with HARTS); paper-only candidate set {_fmt(total_p)} "
-                 f"({(total_o - total_p) / total_o * 100:.2f}% fewer than OR-Tools).")
+                 f"({_relative(total_h, total_o)} with HARTS); paper-only candidate set {_fmt(total_p)} "
+                 f"({_relative(total_p, total_o)} than OR-Tools).")
     ratios = {dp: [s["per_dp"][dp]["ortools"]["compact"] / s["per_dp"][dp]["harts"]["compact"] for s in steps] for dp in args["dp"]}
     speedups = {dp: [s["per_dp"][dp]["ortools"]["seconds"] / s["per_dp"][dp]["harts"]["seconds"] for s in steps] for dp in args["dp"]}
     lines.append("")
@@ -194,40 +208,48 @@ def render(result: dict) -> str:
     lines.append("")
     lines.append("### Table 3: DP-replica work balance (Eq. 23), all steps")
     lines.append("")
-    lines.append("| D | Scheduled slots HARTS/OR | Within-slot P50 imbalance (%) HARTS/OR | Within-slot P95 imbalance (%) HARTS/OR | "
-                 "Step-total P50 imbalance (%) HARTS/OR | Step-total max imbalance (%) HARTS/OR | HARTS plan time P50/max (s) |")
-    lines.append("|---:|---:|---:|---:|---:|---:|---:|")
+    lines.append("| D | Scheduled slots HARTS/OR | Mean microbatch fill (%) HARTS/OR | Within-slot P50 imbalance (%) HARTS/OR | "
+                 "Within-slot P95 imbalance (%) HARTS/OR | Step-total P50 imbalance (%) HARTS/OR | "
+                 "Step-total max imbalance (%) HARTS/OR | HARTS plan time P50/max (s) |")
+    lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for dp_size in args["dp"]:
         entries = [step["per_dp"][dp_size] for step in steps]
         cells = []
         for who in ("harts", "ortools"):
             slots = sum(e[who]["microbatches"] // dp_size for e in entries)
+            fill = sum(e[who]["compact"] for e in entries) / sum(e[who]["microbatches"] for e in entries) / args["capacity"] * 100
             within = np.concatenate([e[who]["slot_imbalance"] for e in entries]) * 100
             totals = np.array([e[who]["step_imbalance"] for e in entries]) * 100
-            cells.append((slots, np.percentile(within, 50), np.percentile(within, 95), np.percentile(totals, 50), totals.max()))
+            cells.append((slots, fill, np.percentile(within, 50), np.percentile(within, 95), np.percentile(totals, 50), totals.max()))
         h, o = cells
         times = [e["harts"]["seconds"] for e in entries]
-        lines.append(f"| {dp_size} | {h[0]}/{o[0]} | {h[1]:.4f}/{o[1]:.4f} | {h[2]:.4f}/{o[2]:.4f} | {h[3]:.4f}/{o[3]:.4f} | "
-                     f"{h[4]:.4f}/{o[4]:.4f} | {statistics.median(times):.3f}/{max(times):.3f} |")
+        lines.append(f"| {dp_size} | {h[0]}/{o[0]} | {h[1]:.1f}/{o[1]:.1f} | {h[2]:.4f}/{o[2]:.4f} | {h[3]:.4f}/{o[3]:.4f} | "
+                     f"{h[4]:.4f}/{o[4]:.4f} | {h[5]:.4f}/{o[5]:.4f} | {statistics.median(times):.3f}/{max(times):.3f} |")
     lines.append("")
     return "\n".join(lines)
 
 
 def update_results(path: Path, section: str, notes: str) -> None:
+    """Replace the section whose title is the first line of ``section`` (or append it); written atomically."""
     text = path.read_text() if path.exists() else "# Benchmark results\n"
+    title = section.splitlines()[0]
     body = section + "\n" + notes.rstrip() + "\n"
-    if SECTION in text:
-        start = text.index(SECTION)
-        following = text.find("\n## ", start + len(SECTION))
+    if title + "\n" in text:
+        start = text.index(title + "\n")
+        following = text.find("\n## ", start + len(title))
         end = len(text) if following < 0 else following + 1
         text = text[:start] + body + ("\n" + text[end:] if following >= 0 else "")
     else:
         text = text.rstrip() + "\n\n" + body
-    path.write_text(text)
+    staging = path.with_name(path.name + ".tmp")
+    staging.write_text(text)
+    os.replace(staging, path)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", choices=sorted(SWE_LIKE_PROFILES), default="calibrated",
+                        help="swe_like_step profile (calibrated: alike the paper's reported steps)")
     parser.add_argument("--steps", type=int, default=10, help="number of generated steps (seeds 1..steps)")
     parser.add_argument("--scale", type=float, default=1.0, help="swe_like_step scale (1.0 = full size)")
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 4, 8], help="DP degrees for Table 3")

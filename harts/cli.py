@@ -50,7 +50,7 @@ def print_stats(stats: dict, title: str = "plan") -> None:
 
 @app.command("compile")
 def compile_command(
-    input: str = typer.Argument(..., help="Node table (.jsonl/.parquet) or preset: demo, swe-like, swe-like:seed=3,scale=0.1"),
+    input: str = typer.Argument(..., help="Node table (.jsonl/.parquet) or preset: demo, swe-like, swe-like:seed=3,scale=0.1,profile=calibrated"),
     output: Path = typer.Option(..., "--output", "-o", help="Plan artifact to write (a directory, or a .safetensors file)."),
     pipeline: Optional[str] = typer.Option(None, "--pipeline", help="Pass pipeline text; default: the full pipeline."),
     capacity: int = typer.Option(65536, "--capacity", help="Microbatch capacity T in compact tokens."),

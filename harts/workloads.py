@@ -1,8 +1,17 @@
 """Synthetic rollout batches: an agentic SWE-like training step, and a small bundled demo.
 
-``swe_like_step`` imitates one step of the agentic SWE workload (paper §5): about a
-hundred task trees that share one system prompt, each a multi-turn agent interaction that
-forks repeatedly (retries, parallel exploration) at turn boundaries and inside turns.
+``swe_like_step`` imitates one step of the agentic SWE workload (paper §5): task trees that
+share one system prompt, each a multi-turn agent interaction that forks repeatedly (retries,
+parallel exploration) at turn boundaries and inside turns. Two profiles (``SWE_LIKE_PROFILES``):
+
+* ``large-trees`` (the default): about a hundred tasks of about 15 paths, forks spread over
+  the second half of a path; 38% of the trees are larger than a 65,536-token microbatch, so a
+  plan repeats long stems and reaches only about 3.9x compression (the trie alone gives 5.7x).
+* ``calibrated``: 180 smaller tasks with later forks, chosen so that the figures the paper
+  reports for its recorded SWE-bench steps come out alike at T = 65,536: about 1.7k paths and
+  41M raw tokens per step (paper: 1.3k-2.4k, 35-59M), planned compression 5.2-6.2x (paper
+  5.0-7.6x, 5.63x overall) and microbatches 97% full (paper: 98%, from its slot counts).
+
 Everything is deterministic from a seed; token arrays are built with NumPy and shared
 prefixes are shared arrays until the final concatenation.
 
@@ -70,6 +79,14 @@ class SweLikeShape:
     # Forks come late more often than early: retries and parallel attempts near the end.
     fork_beta: tuple[float, float] = (4.2, 0.9)
     continuation_sigma: float = 0.6
+
+
+#: Named generator shapes; see the module docstring.
+SWE_LIKE_PROFILES = {
+    "large-trees": SweLikeShape(),
+    "calibrated": SweLikeShape(tasks=180, paths_median=7.0, horizon_median=17_000.0, horizon_sigma=0.8, fork_beta=(20.0, 0.6)),
+}
+DEFAULT_SWE_LIKE_PROFILE = "large-trees"
 
 
 @attrs.define
@@ -244,10 +261,12 @@ def _path_arrays(path: _Path) -> tuple[np.ndarray, np.ndarray]:
     return tokens, loss_mask
 
 
-def swe_like_step(seed: int = 0, scale: float = 1.0, vocab_size: int = 151_000) -> RolloutBatch:
-    """One synthetic agentic-SWE training step (about 1.5k paths, 40M tokens, 5.6x sharing at scale 1).
+def swe_like_step(seed: int = 0, scale: float = 1.0, vocab_size: int = 151_000,
+                  profile: str = DEFAULT_SWE_LIKE_PROFILE) -> RolloutBatch:
+    """One synthetic agentic-SWE training step (about 1.5k paths, 40M tokens, 5.7x sharing at scale 1).
 
-    ``scale`` multiplies every token length and the number of tasks (at least one task).
+    ``scale`` multiplies every token length and the number of tasks (at least one task);
+    ``profile`` names a shape of :data:`SWE_LIKE_PROFILES`.
     Fields: ``loss_mask`` (1 on assistant tokens), ``group_id`` (the task), ``reward``
     (0/1), ``advantage`` (GRPO within the task's group).
     """
@@ -255,7 +274,9 @@ def swe_like_step(seed: int = 0, scale: float = 1.0, vocab_size: int = 151_000) 
         raise RolloutInputError(f"swe-like: option 'scale' must be positive, got {scale!r}")
     if vocab_size < 2:
         raise RolloutInputError(f"swe-like: option 'vocab_size' must be at least 2, got {vocab_size!r}")
-    shape = SweLikeShape()
+    if profile not in SWE_LIKE_PROFILES:
+        raise RolloutInputError(f"swe-like: unknown profile {profile!r}; profiles: {', '.join(SWE_LIKE_PROFILES)}")
+    shape = SWE_LIKE_PROFILES[profile]
     rng = np.random.default_rng(seed)
     generator = _SweLikeGenerator(rng, scale, vocab_size, shape)
     system_prompt = generator._tokens(generator._uniform_length(shape.system_prompt_tokens))
@@ -282,13 +303,14 @@ def swe_like_step(seed: int = 0, scale: float = 1.0, vocab_size: int = 151_000) 
         tree_ids=groups_array.copy(),
     )
     batch.validate()
-    logger.debug("swe-like step seed=%d scale=%g: %d tasks, %d paths, %d tokens", seed, scale, tasks, len(batch), batch.semantic_tokens)
+    logger.debug("swe-like step seed=%d scale=%g profile=%s: %d tasks, %d paths, %d tokens",
+                 seed, scale, profile, tasks, len(batch), batch.semantic_tokens)
     return batch
 
 
-def swe_like_steps(count: int = 10, scale: float = 1.0) -> list[RolloutBatch]:
+def swe_like_steps(count: int = 10, scale: float = 1.0, profile: str = DEFAULT_SWE_LIKE_PROFILE) -> list[RolloutBatch]:
     """``count`` SWE-like steps, for seeds 1..count."""
-    return [swe_like_step(seed=seed, scale=scale) for seed in range(1, count + 1)]
+    return [swe_like_step(seed=seed, scale=scale, profile=profile) for seed in range(1, count + 1)]
 
 
 def trees_near_compression(batch: RolloutBatch, budget: int, target: float, capacity: int) -> RolloutBatch:
@@ -494,7 +516,7 @@ def demo_batch() -> RolloutBatch:
 
 # ----------------------------------------------------------------------------- input specs
 
-_SWE_LIKE_OPTIONS = {"seed": int, "scale": float, "vocab_size": int}
+_SWE_LIKE_OPTIONS = {"seed": int, "scale": float, "vocab_size": int, "profile": str}
 
 
 def _parse_options(preset: str, text: str, allowed: dict[str, type]) -> dict[str, object]:
@@ -516,7 +538,7 @@ def resolve_input(spec: str | os.PathLike[str]) -> RolloutBatch:
     """A batch from a node-table path (``.jsonl`` / ``.parquet``) or a preset.
 
     Presets: ``demo``, ``swe-like`` and ``swe-like:seed=3,scale=0.1`` (options ``seed``,
-    ``scale``, ``vocab_size``).
+    ``scale``, ``vocab_size``, ``profile``: ``large-trees`` or ``calibrated``).
     """
     text = os.fspath(spec)
     preset, _, option_text = text.partition(":")

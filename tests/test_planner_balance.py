@@ -148,18 +148,25 @@ def test_slot_critical_after_two_changes_equals_rerunning_the_slot_rule(dp_size,
     count = len(works)
     cases = data.draw(st.lists(st.tuples(st.integers(0, count - 1), st.integers(1, count - 1), st.integers(0, 14), st.integers(0, 14)),
                                min_size=1, max_size=10))
+    rank_in_slot = data.draw(st.integers(0, dp_size - 1))
     first = np.array([c[0] for c in cases])
     second = (first + np.array([c[1] for c in cases])) % count
     first_new, second_new = np.array([c[2] for c in cases]), np.array([c[3] for c in cases])
     got = slot_critical_after(works, dp_size, first, first_new, second, second_new)
+    got_rank = slot_critical_after(works, dp_size, first, first_new, second, second_new, rank_in_slot=rank_in_slot)
     for k in range(len(cases)):
         trial = works.copy()
         trial[first[k]], trial[second[k]] = first_new[k], second_new[k]
         expected = np.sort(trial)[::-1][::dp_size].sum()  # J2: the heaviest of each block of D
         assert got[k] == expected
+        assert got_rank[k] == np.sort(trial)[::-1][rank_in_slot::dp_size].sum()
         if count % dp_size == 0:
             replica, slot = assign_slots(trial, np.arange(count), dp_size)
             assert got[k] == objective_of(trial, replica, slot)[1]
+            if rank_in_slot == dp_size - 1:  # the slot minima
+                minima = np.full(count // dp_size, np.iinfo(np.int64).max)
+                np.minimum.at(minima, slot, trial)
+                assert got_rank[k] == minima.sum()
 
 
 def test_unrelated_trees_move_and_swap_across_slots_at_no_cost():
@@ -196,3 +203,30 @@ def test_balancing_with_exchange_keeps_guarantees_and_only_lowers_j(case, slack,
         assert after < before
         if free_rounds == 0:
             assert dp_size * after[1] - after[0] <= dp_size * before[1] - before[0]
+
+
+def test_a_plateau_change_lets_balancing_lower_a_slot_whose_maximum_is_tied():
+    # D = 3, one slot: microbatches A = {18, 2}, B = {18, 2}, C = {14} of unrelated trees (works
+    # 20, 20, 14). No single change lowers the slot maximum, since A and B tie at it. Moving A's
+    # 2-token tree to C keeps J2 at 20 but raises the slot minimum (14 -> 16); then moving B's
+    # gives 18, 18, 18.
+    sizes = [18, 2, 18, 2, 14]
+    trajectories = [[tree + 1] * size for tree, size in enumerate(sizes)]
+    index = compressed_index(trajectories)
+    space = RankSpace(index)
+    labels = np.zeros(5, dtype=np.int64)
+    labels[index.rank] = [0, 0, 1, 1, 2]
+    works, _, _, before = objective_by_labels(index, labels, 3)
+    assert before == (54, 20, 20)
+    single_changes = []
+    for source, target in itertools.permutations(range(3), 2):  # every single move of a small tree
+        if works[source] == 20:
+            trial = works.copy()
+            trial[source] -= 2
+            trial[target] += 2
+            single_changes.append(trial)
+    assert min(int(trial.max()) for trial in single_changes) == 20
+    balanced = balance_slots(space, 64, labels, 3)
+    works, _, _, after = objective_by_labels(index, balanced, 3)
+    assert after == (54, 18, 18)
+    assert sorted(works.tolist()) == [18, 18, 18]

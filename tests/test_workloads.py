@@ -67,6 +67,26 @@ def test_full_scale_step_matches_the_paper_workload(full_step):
     assert paths_per_task.min() <= 5 and paths_per_task.max() >= 40
 
 
+def test_calibrated_profile_plans_like_the_papers_recorded_steps():
+    # The paper's Table 2 steps: 1.3k-2.4k paths, 35-59M raw tokens, planned compression
+    # 5.0-7.6x at T = 65,536; its slot counts give microbatches about 98% full.
+    from harts.ir.prefix_index import PrefixIndex
+    from harts.passes.base import PassContext
+    from harts.passes.lower import lower
+    from harts.passes.prefix_compress import PrefixCompress
+    from harts.planner import PlannerOptions, plan
+
+    batch = swe_like_step(seed=1, profile="calibrated")
+    assert 1_300 <= len(batch) <= 2_400
+    assert 35e6 <= batch.semantic_tokens <= 59e6
+    module = PrefixCompress().run(lower(batch, capacity=65_536, dp_size=4), PrefixCompress.Options(), PassContext(batch=batch))
+    result = plan(PrefixIndex.from_module(module), PlannerOptions(capacity=65_536, dp_size=4))
+    assert 5.0 <= batch.semantic_tokens / sum(result.works) <= 7.6
+    assert sum(result.works) / len(result.works) >= 0.95 * 65_536
+    # the default profile's large trees are the contrast: a plan there repeats long stems
+    assert swe_like_step(seed=1, scale=0.05).content_hash() == swe_like_step(seed=1, scale=0.05, profile="large-trees").content_hash()
+
+
 def test_full_scale_step_forks_around_chunk_boundaries(full_step):
     batch, _ = full_step
     _, lcps = sorted_order_and_lcp(batch.tokens)
@@ -167,6 +187,8 @@ def test_bad_generator_options():
         swe_like_step(scale=0)
     with pytest.raises(RolloutInputError, match="option 'vocab_size' must be at least 2"):
         swe_like_step(vocab_size=1)
+    with pytest.raises(RolloutInputError, match="unknown profile 'paper'; profiles: large-trees, calibrated"):
+        swe_like_step(profile="paper")
 
 
 def test_grpo_advantages_single_member_groups_are_zero():
@@ -248,6 +270,8 @@ def test_resolve_presets_and_paths(tmp_path):
     small = resolve_input("swe-like:seed=3,scale=0.01")
     assert small.content_hash() == swe_like_step(seed=3, scale=0.01).content_hash()
     assert resolve_input("swe-like: seed=3 , scale=0.01, vocab_size=100").content_hash() == swe_like_step(3, 0.01, 100).content_hash()
+    calibrated = resolve_input("swe-like:seed=3,scale=0.01,profile=calibrated")
+    assert calibrated.content_hash() == swe_like_step(3, 0.01, profile="calibrated").content_hash() != small.content_hash()
     for suffix in (".jsonl", ".parquet"):
         path = tmp_path / f"small{suffix}"
         write_node_table(small, path)

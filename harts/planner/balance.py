@@ -27,15 +27,19 @@ remaining member of the receiver lies between the run's ends). The new J2 of eve
 exact too (:func:`harts.planner.schedule.slot_critical_after`: the slot rule is in effect
 re-run, so a change that moves a microbatch past others and re-forms slots is scored
 correctly). A change is admissible when both microbatches stay within capacity, the summed
-work does not grow, (J1, J2) strictly falls and the summed slot excess ``D * J2 - J1`` does not
-grow; in the first ``free_rounds`` rounds a change that saves work is admissible even when
-the excess grows (J1 comes first in J). A round ranks the pool by (work change, new J2) and
-applies changes in that order on microbatches no earlier change of the round touched,
-re-checking each against the current works; the next round rebuilds the pool. Balancing
-stops after ``rounds`` rounds, after a round that changes nothing, or after a round that
-saves no work and lowers J2 by a negligible share. K, coverage, nonemptiness and capacity
-are preserved; total compact work never increases and J strictly falls with every applied
-change.
+work does not grow, the summed slot excess ``D * J2 - J1`` does not grow and (J1, J2, -L)
+strictly falls, where L is the sum of the slot minima (also exact, by the same lookups). L is
+the tie-breaker that crosses plateaus of J2: when two microbatches of a slot tie at its
+maximum, no single change lowers J2, but raising the slot's lightest one (L grows, J is
+unchanged) makes the next change possible. In the first ``free_rounds`` rounds a change that
+saves work is admissible even when the excess grows (J1 comes first in J). A round ranks the
+pool by (work change, new J2, -new L) and applies changes in that order on microbatches no
+earlier change of the round touched, re-checking each against the current works; the next
+round rebuilds the pool. Balancing stops after ``rounds`` rounds or after a round that changes
+nothing. K, coverage, nonemptiness and capacity are preserved; total compact work never
+increases and (J1, J2, -L) strictly falls with every applied change, so the search cannot
+cycle. The result is returned only when its J is strictly lower than the input's (plateau
+changes alone leave J1 and J2 equal and may move J3 either way); otherwise the input is.
 """
 
 from __future__ import annotations
@@ -51,9 +55,7 @@ from harts.planner.schedule import assign_slots, objective_of, slot_critical_aft
 logger = logging.getLogger(__name__)
 
 #: at most this many pool entries are re-checked per round
-_TRIES_PER_ROUND = 256
-#: a round that saves no work and lowers J2 by less than J2 / _NEGLIGIBLE ends the balancing
-_NEGLIGIBLE = 1 << 16
+_TRIES_PER_ROUND = 4096
 
 
 def _first_ranks(labels: np.ndarray, count: int) -> np.ndarray:
@@ -70,6 +72,11 @@ def _objective(works: np.ndarray, labels: np.ndarray, dp_size: int) -> tuple[int
 
 def _slot_critical(works: np.ndarray, dp_size: int) -> int:
     return int(np.sort(works)[::-1][::dp_size].sum())
+
+
+def _slot_low(works: np.ndarray, dp_size: int) -> int:
+    """The sum of the slot minima under the slot rule: the tie-breaker that lets balancing cross plateaus of J2."""
+    return int(np.sort(works)[::-1][dp_size - 1 :: dp_size].sum())
 
 
 def _units(layout: Layout, floor: int) -> tuple[np.ndarray, np.ndarray]:
@@ -175,7 +182,7 @@ def _pool(space: RankSpace, capacity: int, labels: np.ndarray, works: np.ndarray
     return pool.arrays()
 
 
-def balance_slots(space: RankSpace, capacity: int, labels: np.ndarray, dp_size: int, rounds: int = 8, window: int = 4,
+def balance_slots(space: RankSpace, capacity: int, labels: np.ndarray, dp_size: int, rounds: int = 64, window: int = 4,
                   exchange: bool = False, exchange_window: int = 8, free_rounds: int = 0) -> np.ndarray:
     """Labels whose J is strictly lower than the input's, or the input labels unchanged; see the module docstring.
 
@@ -184,6 +191,7 @@ def balance_slots(space: RankSpace, capacity: int, labels: np.ndarray, dp_size: 
     more subtrees go home. In the first ``free_rounds`` rounds a change that saves work is taken
     even when it raises the summed slot excess (J1 comes first in J); later rounds keep the rule.
     """
+    original = labels
     labels = np.asarray(labels, dtype=np.int64).copy()
     count = int(labels.max()) + 1
     if count % dp_size or dp_size < 2:
@@ -192,9 +200,8 @@ def balance_slots(space: RankSpace, capacity: int, labels: np.ndarray, dp_size: 
     if works.max() > capacity:
         return labels
     initial = _objective(works, labels, dp_size)
-    total, critical = initial[0], initial[1]
+    total, critical, low = initial[0], initial[1], _slot_low(works, dp_size)
     for round_index in range(rounds):
-        round_start = (total, critical)
         layout = Layout(space, labels, count)
         found = _pool(space, capacity, labels, works, layout, max(window, exchange_window) if exchange else window)
         if found is None:
@@ -202,13 +209,15 @@ def balance_slots(space: RankSpace, capacity: int, labels: np.ndarray, dp_size: 
         u, v, a, b, c, d, new_u, new_v = found
         change = new_u + new_v - works[u] - works[v]
         after = slot_critical_after(works, dp_size, u, new_u, v, new_v)
+        after_low = slot_critical_after(works, dp_size, u, new_u, v, new_v, rank_in_slot=dp_size - 1)
         excess = dp_size * critical - total
         free = round_index < free_rounds
-        useful = ((change < 0) | (after < critical)) & ((dp_size * after - (total + change) <= excess) | (free & (change < 0)))
+        better = (change < 0) | (after < critical) | ((change == 0) & (after == critical) & (after_low > low))
+        useful = better & ((dp_size * after - (total + change) <= excess) | (free & (change < 0)))
         useful = np.flatnonzero(useful)
         if useful.size == 0:
             break
-        ranked = useful[np.lexsort((d[useful], c[useful], b[useful], a[useful], after[useful], change[useful]))]
+        ranked = useful[np.lexsort((d[useful], c[useful], b[useful], a[useful], -after_low[useful], after[useful], change[useful]))]
         touched = np.zeros(count, dtype=bool)
         applied = 0
         for k in ranked[:_TRIES_PER_ROUND].tolist():
@@ -217,21 +226,21 @@ def balance_slots(space: RankSpace, capacity: int, labels: np.ndarray, dp_size: 
                 continue
             trial = works.copy()
             trial[first_group], trial[second_group] = new_u[k], new_v[k]
-            trial_total, trial_critical = total + int(change[k]), _slot_critical(trial, dp_size)
-            if (trial_total, trial_critical) >= (total, critical):
+            trial_total, trial_critical, trial_low = total + int(change[k]), _slot_critical(trial, dp_size), _slot_low(trial, dp_size)
+            if (trial_total, trial_critical, -trial_low) >= (total, critical, -low):
                 continue
             if dp_size * trial_critical - trial_total > dp_size * critical - total and not (free and trial_total < total):
                 continue
             labels[layout.order[a[k] : b[k] + 1]] = second_group
             if c[k] <= d[k]:
                 labels[layout.order[c[k] : d[k] + 1]] = first_group
-            works, total, critical = trial, trial_total, trial_critical
+            works, total, critical, low = trial, trial_total, trial_critical, trial_low
             touched[first_group] = touched[second_group] = True
             applied += 1
         if not applied:
             break
-        if total == round_start[0] and (round_start[1] - critical) * _NEGLIGIBLE < critical:
-            break  # the round only shaved a negligible share of J2 off: later rounds would gain less
     final = _objective(works, labels, dp_size)
     logger.debug("slot balancing: J %s -> %s", initial, final)
+    if final >= initial:  # only plateau changes applied (J1 and J2 equal): J3 alone decides, keep the input
+        return np.asarray(original, dtype=np.int64).copy()
     return labels

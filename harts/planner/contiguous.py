@@ -6,6 +6,7 @@ ranks ``t-1`` and ``t`` costs exactly ``lcp[t]`` compact tokens, so every operat
 reasons about cut positions and their LCP values.
 
 * :func:`natural_partition`: recursive lowest-valley splitting of over-capacity intervals.
+* :func:`unit_partition`: every batch-wide lowest valley cut (whole trees), then natural splits.
 * :func:`exact_partitions`: the dynamic program of Eq. 9 for every requested K, ties on
   total work broken by the smaller heaviest microbatch.
 * :func:`sampled_k_values`, :func:`evolve_partitions`: the sampled-K merge/split evolution
@@ -42,8 +43,12 @@ def _best_split(space: RankSpace, first: int, last: int) -> tuple[int, int]:
 
 def natural_partition(space: RankSpace, capacity: int) -> np.ndarray:
     """P0: split every interval above ``capacity`` at its lowest valley until all fit."""
+    return np.array(sorted(_split_until_fits(space, 0, space.size - 1, capacity)), dtype=np.int64)
+
+
+def _split_until_fits(space: RankSpace, first: int, last: int, capacity: int) -> list[int]:
     starts = []
-    pending = [(0, space.size - 1)]
+    pending = [(first, last)]
     while pending:
         first, last = pending.pop()
         if space.interval_work(first, last) <= capacity:
@@ -52,6 +57,25 @@ def natural_partition(space: RankSpace, capacity: int) -> np.ndarray:
         cut, _ = _best_split(space, first, last)
         pending.append((cut, last))
         pending.append((first, cut - 1))
+    return starts
+
+
+def unit_partition(space: RankSpace, capacity: int) -> np.ndarray:
+    """Cuts at every valley as low as the batch's lowest, then natural splits of the pieces above ``capacity``.
+
+    The batch's lowest valley is usually the prompt every rollout tree shares (or nothing), so
+    the pieces are whole trees where a tree fits and natural pieces of it where it does not:
+    small items that a packer can combine into nearly full microbatches, paying the lowest
+    valley once per microbatch instead of once per piece.
+    """
+    n = space.size
+    if n == 1:
+        return np.zeros(1, dtype=np.int64)
+    floor = space.lcp[1:].min()
+    bounds = np.append(np.concatenate(([0], np.flatnonzero(space.lcp[1:] <= floor) + 1)), n)
+    starts: list[int] = []
+    for first, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        starts.extend(_split_until_fits(space, first, end - 1, capacity))
     return np.array(sorted(starts), dtype=np.int64)
 
 

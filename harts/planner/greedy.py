@@ -474,13 +474,13 @@ def greedy_plans(space: RankSpace, capacity: int, dp_size: int) -> list[GreedyPl
     return plans
 
 
-def piece_plans(space: RankSpace, capacity: int, dp_size: int, starts: np.ndarray) -> list[GreedyPlan]:
+def piece_plans(space: RankSpace, capacity: int, dp_size: int, starts: np.ndarray, name: str = "pieces") -> list[GreedyPlan]:
     """Both policies over the pieces of a contiguous partition, after elimination and DP alignment."""
     plans = []
     for policy in POLICIES:
         packing = align_to_dp(eliminate_small(place_pieces(space, capacity, starts, policy)), dp_size)
         if packing is not None:
-            plans.append(GreedyPlan(packing.canonical_labels(), packing.live_count, packing.total_work(), f"pieces/{policy}"))
+            plans.append(GreedyPlan(packing.canonical_labels(), packing.live_count, packing.total_work(), f"{name}/{policy}"))
     return plans
 
 

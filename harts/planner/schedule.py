@@ -55,7 +55,7 @@ def objective_of(works: Sequence[int], replica: Sequence[int], slot: Sequence[in
 
 
 def slot_critical_after(works: Sequence[int], dp_size: int, first: np.ndarray, first_new: np.ndarray,
-                        second: np.ndarray, second_new: np.ndarray) -> np.ndarray:
+                        second: np.ndarray, second_new: np.ndarray, rank_in_slot: int = 0) -> np.ndarray:
     """J2 (the sum of slot maxima under the slot rule) after ``works[first] = first_new`` and
     ``works[second] = second_new``, for arrays of such two-microbatch changes (``first != second``).
 
@@ -63,7 +63,8 @@ def slot_critical_after(works: Sequence[int], dp_size: int, first: np.ndarray, f
     works at positions 0, D, 2D, ...; it depends on the works alone, not on how ties are
     ordered. Removing two works and inserting two shifts every other work's position by a
     step function with at most four steps, so each change costs a few lookups in per-residue
-    prefix sums of the sorted works.
+    prefix sums of the sorted works. ``rank_in_slot = r`` sums the r-th heaviest work of every
+    slot instead (positions r, D + r, ...; ``D - 1`` gives the sum of the slot minima).
     """
     works = np.asarray(works, dtype=np.int64)
     first, second = np.asarray(first, dtype=np.int64), np.asarray(second, dtype=np.int64)
@@ -88,16 +89,17 @@ def slot_critical_after(works: Sequence[int], dp_size: int, first: np.ndarray, f
     rows = events.shape[0]
     bounds = np.concatenate([np.zeros((rows, 1), dtype=np.int64), events, np.full((rows, 1), count)], axis=1)
     shift = np.concatenate([np.zeros((rows, 1), dtype=np.int64), np.cumsum(steps[sort], axis=1)], axis=1)
-    # a kept work at sorted position j lands at j + shift and counts when that is a multiple of D
-    residue = (-shift) % dp_size
+    # a kept work at sorted position j lands at j + shift and counts when that is rank_in_slot modulo D
+    residue = (rank_in_slot - shift) % dp_size
     total = (flat[residue * (count + 1) + bounds[:, 1:]] - flat[residue * (count + 1) + bounds[:, :-1]]).sum(axis=1)
     for removed in (p1, p2):  # the segment sums above include the two removed works: take them out
         moved = (t1 <= removed).astype(np.int64) + (t2 <= removed) - (p1 < removed) - (p2 < removed)
-        total -= np.where((removed + moved) % dp_size == 0, values[removed], 0)
+        total -= np.where((removed + moved) % dp_size == rank_in_slot, values[removed], 0)
     second_ahead = (t2 < t1) | ((t2 == t1) & (second_new > first_new))
     index_first = t1 - (p1 < t1) - (p2 < t1) + second_ahead
     index_second = t2 - (p1 < t2) - (p2 < t2) + ~second_ahead
-    return total + np.where(index_first % dp_size == 0, first_new, 0) + np.where(index_second % dp_size == 0, second_new, 0)
+    return (total + np.where(index_first % dp_size == rank_in_slot, first_new, 0)
+            + np.where(index_second % dp_size == rank_in_slot, second_new, 0))
 
 
 def objective(microbatches: Iterable) -> tuple[int, int, int]:

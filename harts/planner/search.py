@@ -10,10 +10,16 @@ ids ordered by each microbatch's smallest rank). Sources:
   (``sampled-recut/K=...``) takes a re-cut whenever it saves more than the best merge;
 * unless ``greedy=False``: the trie-aware greedy candidate (four orders x two policies,
   small-microbatch elimination, DP alignment, preselected by fewest microbatches then
-  least work), and a piece greedy candidate (``pieces/...``) that places whole
-  natural-partition intervals heaviest first with the interval form of Eq. 10.
+  least work), a piece greedy candidate (``pieces/...``) that places whole
+  natural-partition intervals heaviest first with the interval form of Eq. 10, and the
+  same piece greedy over whole-tree units (``units/...``, :func:`contiguous.unit_partition`:
+  each tree that fits is one item, larger trees are cut into their natural pieces). The
+  natural partition stops splitting as soon as an interval fits, so its pieces are often
+  more than half a microbatch and pack poorly; trees are smaller items and, placed heaviest
+  first by best fit, fill microbatches nearly to capacity. A tree kept whole also never
+  repeats its own stem, which a trajectory-by-trajectory greedy often does.
 
-The re-cut merge and the piece greedy go beyond the paper's description: they are extra
+The re-cut merge and both piece greedies go beyond the paper's description: they are extra
 heuristic candidates that only add to the comparison, so every paper candidate still
 competes and the guarantees are unchanged. ``extended=False`` leaves them out.
 
@@ -73,7 +79,7 @@ class PlannerOptions:
     #: adds candidates whose J is strictly lower and whose total work is not higher
     balance: bool = True
     balance_candidates: int = 1
-    balance_rounds: int = 8
+    balance_rounds: int = 64
     balance_window: int = 4
     #: with ``exchange``: balancing rounds that take every work-saving subtree exchange, even one
     #: that raises the slot excess (later rounds keep the excess from growing)
@@ -203,13 +209,16 @@ def plan(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
     seconds["greedy"] = clock() - started
 
     started = clock()
-    piece_choice = None
+    piece_choices = []
     if options.greedy and options.extended:
-        piece_choice = greedy.preselect(greedy.piece_plans(space, capacity, dp_size, natural))
+        piece_choices.append(greedy.preselect(greedy.piece_plans(space, capacity, dp_size, natural)))
+        units = contiguous.unit_partition(space, capacity)
+        if len(units) > len(natural):
+            piece_choices.append(greedy.preselect(greedy.piece_plans(space, capacity, dp_size, units, "units")))
     seconds["pieces"] = clock() - started
 
     generated: list[tuple[str, np.ndarray]] = list(base)
-    extra = [choice for choice in (greedy_choice, piece_choice) if choice is not None]
+    extra = [choice for choice in (greedy_choice, *piece_choices) if choice is not None]
     generated.extend((choice.source, choice.labels) for choice in extra)
 
     started = clock()

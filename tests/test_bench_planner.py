@@ -1,0 +1,53 @@
+"""The planner benchmark (benchmarks/bench_planner.py) on two small steps: valid plans, tables, idempotent RESULTS update."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ortools")
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_planner.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_planner", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def small_run(bench):
+    args = argparse.Namespace(profile="calibrated", steps=2, scale=0.05, dp=[2], table2_dp=2, capacity=8192,
+                              time_limit=0.3, workers=1, repeats=1)
+    return bench.run(args)
+
+
+def test_every_step_has_valid_plans_from_both_planners(small_run):
+    assert [step["seed"] for step in small_run["steps"]] == [1, 2]
+    for step in small_run["steps"]:
+        entry = step["per_dp"][2]
+        harts, ortools = entry["harts"], entry["ortools"]
+        assert harts["microbatches"] % 2 == 0 and ortools["microbatches"] % 2 == 0
+        assert step["lower_bound"] <= min(harts["compact"], entry["paper_only"]["compact"], ortools["compact"])
+        assert len(harts["slot_imbalance"]) == harts["microbatches"] // 2
+        assert harts["objective"][0] == harts["compact"]
+
+
+def test_tables_name_the_profile_and_results_update_is_idempotent(bench, small_run, tmp_path):
+    text = bench.render(small_run)
+    assert text.startswith("## Microbatch planning (Tables 2-3), calibrated profile\n")
+    assert "--profile calibrated --steps 2 --scale 0.05" in text
+    assert "| 2 | " in text  # the Table 3 row for D = 2
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\n## Other\n\nkept\n")
+    bench.update_results(results, text, "notes\n")
+    once = results.read_text()
+    bench.update_results(results, text, "notes\n")
+    assert results.read_text() == once
+    assert once.count("calibrated profile") == 1 and "kept" in once and "notes" in once
+    assert not list(tmp_path.glob("*.tmp"))
