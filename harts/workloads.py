@@ -5,12 +5,14 @@ share one system prompt, each a multi-turn agent interaction that forks repeated
 parallel exploration) at turn boundaries and inside turns. Two profiles (``SWE_LIKE_PROFILES``):
 
 * ``large-trees`` (the default): about a hundred tasks of about 15 paths, forks spread over
-  the second half of a path; 38% of the trees are larger than a 65,536-token microbatch, so a
-  plan repeats long stems and reaches only about 3.9x compression (the trie alone gives 5.7x).
+  the second half of a path; about 40% of the trees are larger than a 65,536-token
+  microbatch, so a plan repeats long stems: planned compression 3.0-4.1x on seeds 1-10,
+  although the trie alone gives 5.3-6.0x.
 * ``calibrated``: 180 smaller tasks with later forks, chosen so that the figures the paper
-  reports for its recorded SWE-bench steps come out alike at T = 65,536: about 1.7k paths and
-  41M raw tokens per step (paper: 1.3k-2.4k, 35-59M), planned compression 5.2-6.2x (paper
-  5.0-7.6x, 5.63x overall) and microbatches 97% full (paper: 98%, from its slot counts).
+  reports for its recorded SWE-bench steps come out alike at T = 65,536: on seeds 1-10,
+  1.5k-1.8k paths and 34-44M raw tokens per step (paper: 1.3k-2.4k, 35-59M), planned
+  compression 5.1-6.2x (paper 5.0-7.6x) and microbatches 97% full at D = 4 (paper: 98%,
+  from its slot counts).
 
 Everything is deterministic from a seed; token arrays are built with NumPy and shared
 prefixes are shared arrays until the final concatenation.
@@ -263,7 +265,7 @@ def _path_arrays(path: _Path) -> tuple[np.ndarray, np.ndarray]:
 
 def swe_like_step(seed: int = 0, scale: float = 1.0, vocab_size: int = 151_000,
                   profile: str = DEFAULT_SWE_LIKE_PROFILE) -> RolloutBatch:
-    """One synthetic agentic-SWE training step (about 1.5k paths, 40M tokens, 5.7x sharing at scale 1).
+    """One synthetic agentic-SWE training step (at scale 1: about 1.5k paths, 40M tokens, 5.7x trie sharing).
 
     ``scale`` multiplies every token length and the number of tasks (at least one task);
     ``profile`` names a shape of :data:`SWE_LIKE_PROFILES`.
