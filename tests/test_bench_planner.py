@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
 
+from tests.conftest import load_benchmark
+
 pytest.importorskip("ortools")
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_planner.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_planner", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_planner.py")
 
 
 @pytest.fixture(scope="module")

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-PROBE = Path(__file__).resolve().parents[1] / "benchmarks" / "fidelity_probe.py"
+from tests.conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def probe():
-    spec = importlib.util.spec_from_file_location("fidelity_probe", PROBE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("fidelity_probe.py")
 
 
 @pytest.mark.parametrize("blocks_only", [False, True])

@@ -24,8 +24,9 @@ def test_units_are_whole_trees_where_they_fit_and_natural_pieces_where_they_do_n
     ends = [*(s - 1 for s in starts[1:]), n - 1]
     floor = int(space.lcp[1:].min()) if n > 1 else 0
     tree_starts = [0, *(t for t in range(1, n) if space.lcp[t] <= floor)]
-    # every cut at the batch's lowest valley is a unit boundary
+    # every cut at the batch's lowest valley is a unit boundary, and so is every natural cut
     assert set(tree_starts) <= set(starts)
+    assert set(contiguous.natural_partition(space, capacity).tolist()) <= set(starts)
     for tree_first, tree_end in zip(tree_starts, [*tree_starts[1:], n]):
         inside = [(s, e) for s, e in zip(starts, ends) if tree_first <= s < tree_end]
         if work_of(index, range(tree_first, tree_end)) <= capacity:

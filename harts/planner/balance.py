@@ -70,13 +70,10 @@ def _objective(works: np.ndarray, labels: np.ndarray, dp_size: int) -> tuple[int
     return objective_of(works, replica, slot)
 
 
-def _slot_critical(works: np.ndarray, dp_size: int) -> int:
-    return int(np.sort(works)[::-1][::dp_size].sum())
-
-
-def _slot_low(works: np.ndarray, dp_size: int) -> int:
-    """The sum of the slot minima under the slot rule: the tie-breaker that lets balancing cross plateaus of J2."""
-    return int(np.sort(works)[::-1][dp_size - 1 :: dp_size].sum())
+def _slot_extremes(works: np.ndarray, dp_size: int) -> tuple[int, int]:
+    """J2 and L: the sums of the slot maxima and of the slot minima under the slot rule."""
+    descending = np.sort(works)[::-1]
+    return int(descending[::dp_size].sum()), int(descending[dp_size - 1 :: dp_size].sum())
 
 
 def _units(layout: Layout, floor: int) -> tuple[np.ndarray, np.ndarray]:
@@ -200,7 +197,7 @@ def balance_slots(space: RankSpace, capacity: int, labels: np.ndarray, dp_size: 
     if works.max() > capacity:
         return labels
     initial = _objective(works, labels, dp_size)
-    total, critical, low = initial[0], initial[1], _slot_low(works, dp_size)
+    total, (critical, low) = initial[0], _slot_extremes(works, dp_size)
     for round_index in range(rounds):
         layout = Layout(space, labels, count)
         found = _pool(space, capacity, labels, works, layout, max(window, exchange_window) if exchange else window)
@@ -226,7 +223,7 @@ def balance_slots(space: RankSpace, capacity: int, labels: np.ndarray, dp_size: 
                 continue
             trial = works.copy()
             trial[first_group], trial[second_group] = new_u[k], new_v[k]
-            trial_total, trial_critical, trial_low = total + int(change[k]), _slot_critical(trial, dp_size), _slot_low(trial, dp_size)
+            trial_total, (trial_critical, trial_low) = total + int(change[k]), _slot_extremes(trial, dp_size)
             if (trial_total, trial_critical, -trial_low) >= (total, critical, -low):
                 continue
             if dp_size * trial_critical - trial_total > dp_size * critical - total and not (free and trial_total < total):

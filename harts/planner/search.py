@@ -213,7 +213,7 @@ def plan(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
     if options.greedy and options.extended:
         piece_choices.append(greedy.preselect(greedy.piece_plans(space, capacity, dp_size, natural)))
         units = contiguous.unit_partition(space, capacity)
-        if len(units) > len(natural):
+        if len(units) > len(natural):  # units refine the natural partition: equal counts, equal partitions
             piece_choices.append(greedy.preselect(greedy.piece_plans(space, capacity, dp_size, units, "units")))
     seconds["pieces"] = clock() - started
 
