@@ -48,11 +48,11 @@ SECTION = "## Microbatch planning (Tables 2-3)"
 _RUN_ARGS = ("profile", "steps", "scale", "dp", "table2_dp", "capacity", "time_limit", "workers", "repeats")
 #: runs recorded before profiles existed used the generator's only shape, now ``large-trees``
 _PROFILE_BEFORE_PROFILES = "large-trees"
+logger = logging.getLogger("bench_planner")
 
 
 def section_title(profile: str) -> str:
     return f"{SECTION}, {profile} profile"
-logger = logging.getLogger("bench_planner")
 
 
 def plan_harts(module, repeats: int):
