@@ -28,8 +28,7 @@ import json
 import logging
 import numbers
 import os
-import tempfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ import numpy as np
 
 from harts.batch import RolloutBatch, token_id_array
 from harts.errors import RolloutInputError
+from harts.fsio import atomic_write_with
 
 logger = logging.getLogger(__name__)
 
@@ -662,35 +662,6 @@ def node_table_records(batch: RolloutBatch) -> list[dict[str, Any]]:
     return records
 
 
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(handle)
-    temporary_path = Path(temporary)
-    try:
-        write(temporary_path)
-        with temporary_path.open("rb+") as written:
-            os.fsync(written.fileno())
-        # mkstemp creates the file private (0600); give it the permissions a plain open would.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary_path, 0o666 & ~umask)
-        os.replace(temporary_path, path)
-    except BaseException:
-        temporary_path.unlink(missing_ok=True)
-        raise
-    try:
-        directory = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(directory)
-    except OSError:
-        pass
-    finally:
-        os.close(directory)
-
-
 def _write_jsonl(records: list[dict[str, Any]], path: Path) -> None:
     with path.open("w", encoding="utf-8") as handle:
         for record in records:
@@ -751,8 +722,8 @@ def write_node_table(batch: RolloutBatch, path: str | os.PathLike[str]) -> None:
     suffix = _suffix(path)
     if suffix == ".jsonl":
         records = node_table_records(batch)
-        _atomic_write(path, lambda target: _write_jsonl(records, target))
+        atomic_write_with(path, lambda target: _write_jsonl(records, target))
     else:
         table = _build_table(batch)
-        _atomic_write(path, lambda target: _write_parquet(table, target))
+        atomic_write_with(path, lambda target: _write_parquet(table, target))
     logger.debug("wrote node table %s (%d trajectories)", path, len(batch))

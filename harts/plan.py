@@ -10,7 +10,8 @@ Artifact layout (a directory)::
 or a single ``*.safetensors`` file holding the tensors, with manifest and IR in its
 metadata (one key, ``harts``). Loading checks the schema version and every digest: a truncated or edited
 artifact fails with :class:`~harts.errors.PlanArtifactError`, never yields a wrong plan.
-Saving writes to a temporary sibling and renames it into place.
+Saving is crash-safe (:mod:`harts.fsio`): the target always holds the old or the new plan, and
+an existing path that is not a HARTS plan is refused, never replaced.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ import attrs
 import numpy as np
 
 from harts.errors import HartsError, PlanArtifactError
+from harts.fsio import atomic_write_bytes, replace_directory
 from harts.ir.nodes import Module, Phase
 from harts.ir.text import parse_ir, print_ir
 from harts.ir.verify import verify
@@ -256,42 +256,77 @@ def _tensor_payload(tensors: dict[str, np.ndarray]) -> bytes:
     return bytes(digest_input)
 
 
-def _atomic_write_file(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+_ARTIFACT_FILES = frozenset({_MANIFEST, _IR, _TENSORS})
+
+
+def _why_not_a_plan_directory(path: Path) -> str | None:
+    """None for a directory that holds a HARTS plan and nothing else (or is empty), else the reason."""
+    if path.is_symlink() or not path.is_dir():
+        return "it is not a directory"
+    names = sorted(entry.name for entry in path.iterdir())
+    if not names:
+        return None
+    foreign = [name for name in names if name not in _ARTIFACT_FILES]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        return f"it holds files that are not part of a plan ({shown})"
     try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(data)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
+        manifest = json.loads((path / _MANIFEST).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return f"it has no {_MANIFEST}"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return f"its {_MANIFEST} is not a readable HARTS manifest"
+    if not (isinstance(manifest, dict) and "harts_version" in manifest and "schema_version" in manifest):
+        return f"its {_MANIFEST} is not a HARTS manifest"
+    return None
+
+
+def _is_plan_directory(path: Path) -> bool:
+    return _why_not_a_plan_directory(path) is None
+
+
+def _is_plan_file(path: Path) -> bool:
+    """True for a single-file plan (a safetensors file with a HARTS manifest in its metadata)."""
+    if not path.is_file() or path.is_symlink():
+        return False
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as handle:
+            return "harts" in (handle.metadata() or {})
+    except Exception:  # safetensors raises several types for files that are not its own
+        return False
+
+
+def _refuse_foreign_target(path: Path, why: str) -> PlanArtifactError:
+    return PlanArtifactError(
+        f"cannot save the plan to {path}: it exists and is not a HARTS plan ({why}); "
+        "it was left untouched: choose another path or remove it yourself"
+    )
+
+
+def _atomic_write_file(path: Path, data: bytes) -> None:
+    if path.is_dir():
+        raise _refuse_foreign_target(path, "it is a directory")
+    if (path.exists() or path.is_symlink()) and not _is_plan_file(path):
+        raise _refuse_foreign_target(path, "a file that is not a single-file plan")
+    try:
+        atomic_write_bytes(path, data)
+    except OSError as error:
+        raise PlanArtifactError(f"cannot save the plan to {path}: {error.strerror or error}") from None
 
 
 def _atomic_write_directory(path: Path, files: dict[str, bytes]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() and not path.is_dir():
-        raise PlanArtifactError(f"cannot save a plan to {path}: a file of that name exists")
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    if path.exists() or path.is_symlink():
+        why = _why_not_a_plan_directory(path)
+        if why is not None:
+            raise _refuse_foreign_target(path, why)
     try:
-        for name, data in files.items():
-            with open(staging / name, "wb") as stream:
-                stream.write(data)
-                stream.flush()
-                os.fsync(stream.fileno())
-        if path.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
-            os.replace(path, retired / "plan")
-            os.replace(staging, path)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(staging, path)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        replace_directory(path, files, is_ours=_is_plan_directory)
+    except FileExistsError:
+        raise _refuse_foreign_target(path, _why_not_a_plan_directory(path) or "it changed while saving") from None
+    except OSError as error:
+        raise PlanArtifactError(f"cannot save the plan to {path}: {error.strerror or error}") from None
 
 
 def _check_manifest(manifest: Any, where: Path) -> dict[str, Any]:

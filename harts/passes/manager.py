@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TextIO
 
 from harts.errors import PipelineError
+from harts.fsio import atomic_write_bytes
 from harts.ir.nodes import Module
 from harts.ir.text import print_ir
 from harts.ir.verify import verify
@@ -71,9 +72,7 @@ class DumpIR(Instrument):
     def _write(self, name: str, text: str) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         target = self.directory / f"{self.count:03d}_{name}.txt"
-        temporary = target.with_suffix(".txt.tmp")
-        temporary.write_text(text)
-        os.replace(temporary, target)
+        atomic_write_bytes(target, text.encode())
         self.count += 1
 
     def before_pipeline(self, module: Module) -> None:
