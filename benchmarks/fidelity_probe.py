@@ -252,8 +252,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--blocks-only", action="store_true",
                         help="trace block outputs only (not mixer and FFN separately): a third of the memory")
-    parser.add_argument("--moe", choices=("grouped", "loop"), default="loop",
-                        help="MoE experts as grouped GEMMs (harts bench's default) or the reference loop")
     parser.add_argument("--out", default="fidelity_probe.json")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -266,12 +264,8 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)
     model = HybridModel(config).to(device)
     model.eval()
-    if args.moe == "grouped":
-        from harts.kernels.moe_fast import patch_experts
-
-        say(f"MoE experts on the grouped-GEMM path in {patch_experts(model)} layer(s)")
     results: dict = {"device": str(device), "torch": torch.__version__, "preset": args.preset,
-                     "layers": config.num_layers, "dtype": dtype_name, "moe": args.moe}
+                     "layers": config.num_layers, "dtype": dtype_name}
     say("operators: row of a big packed batch vs the same row in a small batch (max |diff|)")
     results["ops"] = probe_ops(device, getattr(torch, dtype_name), config)
     for name, value in results["ops"].items():

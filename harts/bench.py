@@ -5,8 +5,12 @@ layers' pattern, bf16 on CUDA), generates one SWE-like rollout step, keeps whole
 trees until ``--tokens`` raw tokens (in generation order, or with ``--target-compression X``
 the trees whose joint sharing is closest to X), compiles it with capacity ``--capacity`` and measures:
 
-* ``baseline``: F/B/Grad of the trajectory-wise baseline (trajectories packed first-fit
-  into microbatches of at most ``--capacity`` raw tokens, one packed call per operator);
+* ``baseline_fla``: F/B/Grad of the trajectory-wise baseline as a user's trainer runs it today
+  (trajectories packed first-fit into microbatches of at most ``--capacity`` raw tokens, one
+  packed call per operator, linear attention on stock fla ``chunk_kda``); every speedup and
+  fidelity figure is against this one;
+* ``baseline``: the same baseline on HARTS' own kernels (``harts.kernels.dispatch``: the fla
+  pipeline with HARTS' state kernels, no exports), for ``speedup_vs_own_baseline``;
 * ``harts``: F/B/Grad of the compiled plan (compact rows, one linear-attention call per
   round, boundary-state handoffs);
 * ``core``: ``harts`` plus the planning time (``harts.compile`` wall clock);
@@ -32,30 +36,34 @@ the trees whose joint sharing is closest to X), compiles it with capacity ``--ca
 F/B/Grad = per microbatch: forward with full-layer recomputation, compact-to-semantic
 log-probs, GRPO loss (``harts.rl.grpo_loss``, seq-mean over the whole step, so summing
 microbatches gives the step's loss) and backward; gradients accumulate over microbatches;
-the interval ends before any optimizer step. Kernels come from ``harts.kernels.dispatch``
-(Triton state scan and varlen FlashAttention on CUDA; ``--kernels naive`` forces the
-pure-torch reference) and MoE experts run as grouped GEMMs (``--moe loop`` keeps the
-reference loop).
+the interval ends before any optimizer step. Kernels come from ``harts.kernels.Dispatch``
+(fla's KDA pipeline with HARTS' state kernels, varlen FlashAttention and grouped-GEMM experts
+on CUDA; ``--kernels naive`` forces the pure-torch references).
+
+``first_step_seconds``: from process start to the end of HARTS' first training step (model
+build, planning, one F/B/Grad pass over the plan and one optimizer step), run before anything
+else, so with an empty ``TRITON_CACHE_DIR`` it includes every kernel compilation (and fla's
+autotuning where no pinned configs ship for the GPU).
 
 Run (H200)::
 
-    PYTHONUNBUFFERED=1 harts bench --tokens 200000 --target-compression 5.6 --batch-invariant-chunks 32 --out bench_runtime.json
+    PYTHONUNBUFFERED=1 harts bench --tokens 200000 --target-compression 5.6 --out bench_runtime.json
     PYTHONUNBUFFERED=1 harts bench --layers 4 --out bench_runtime_l4.json
 
-(the first is the recorded headline: 24 layers, about 5.6x compression, the linear-attention
-kernel's batched steps on fixed 32-chunk pieces so HARTS is bitwise the baseline's forward;
-``python benchmarks/bench_runtime.py`` takes the same arguments)
+(the first is the recorded headline: 24 layers, about 5.6x compression; ``python
+benchmarks/bench_runtime.py`` takes the same arguments)
 
 CPU smoke test::
 
     harts bench --device cpu --preset tiny --layers 2 --tokens 3000 --scale 0.02 --out /tmp/b.json
 
-It prints progress and one final line
-``headline: compression=... fbgrad_speedup=... core_speedup=... cosine=... rerun_cosine=...``.
+It prints progress and one final line ``headline-fla: compression=... speedup_vs_fla_baseline=...
+core_vs_fla_baseline=... speedup_vs_own_baseline=... cosine=... first_step_seconds=...``.
 
 ``--attention-bench`` runs only the full-attention head-to-head of :mod:`harts.bench_attention`
 (gathered ancestor KV + varlen FlashAttention vs a FlexAttention tree mask over one shared KV
-buffer) on the same workload and plan; ``--kernel-bench`` only the linear-attention kernels.
+buffer) on the same workload and plan; ``--kernel-bench`` only the linear-attention kernels:
+stock fla against HARTS' call without exports, and with the exports of the plan's rounds.
 """
 
 from __future__ import annotations
@@ -63,7 +71,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
 import types
 from pathlib import Path
@@ -72,7 +79,8 @@ import numpy as np
 import torch
 
 import harts
-from harts.kernels import dispatch
+from harts.kernels import Dispatch
+from harts.kernels.linear_attention import chunk as fla_chunk
 from harts.rl import grpo_loss
 from harts.runtime import HybridConfig, HybridModel, log_probs_baseline, microbatch_log_probs
 from harts.runtime.ablation import (
@@ -111,17 +119,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--kernels", choices=("auto", "fast", "naive"), default="auto")
-    parser.add_argument("--batch-invariant-chunks", type=int, default=0,
-                        help="run the fast linear-attention kernel's batched steps on fixed pieces of this many "
-                             "chunks (HARTS_BATCH_INVARIANT_CHUNKS; 0: off), for baseline and HARTS alike")
     parser.add_argument("--matmul-precision", choices=("highest", "high", "medium"), default=None,
                         help="torch.set_float32_matmul_precision; default 'high' (TF32) on CUDA, 'highest' on CPU")
-    parser.add_argument("--moe", choices=("grouped", "loop"), default="grouped")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-ablation", action="store_true",
                         help="skip the sequence-at-a-time and node-at-a-time ablations")
     parser.add_argument("--no-fidelity", action="store_true", help="skip the logit-cosine fidelity check")
+    parser.add_argument("--no-own-baseline", action="store_true",
+                        help="skip the trajectory-wise baseline on HARTS' own kernels (speedup_vs_own_baseline)")
     parser.add_argument("--no-replay-ablation", action="store_true",
                         help="skip the replay / no-replay divergence by state-handoff depth (Eq. 25-26)")
     parser.add_argument("--fidelity-rows", type=int, default=2048, help="logit rows per block in the cosine check")
@@ -212,11 +218,6 @@ def build_model(args, device: torch.device) -> HybridModel:
     torch.manual_seed(0)
     with torch.device(device):
         model = HybridModel(config)
-    if args.moe == "grouped":
-        from harts.kernels.moe_fast import patch_experts
-
-        patched = patch_experts(model)
-        say(f"MoE experts on the grouped-GEMM path in {patched} layer(s)")
     return model
 
 
@@ -305,36 +306,42 @@ def measure(name, run, model, device, warmup, repeats):
 # ----------------------------------------------------------------------------- ablation kernels
 
 
-def _sequence_at_a_time_linear_attention(q, k, v, log_decay, beta, cu_seqlens, *, chunk_size, scale,
-                                         initial_state=None, export_chunks=None):
-    """One linear-attention call per input sequence instead of one per round (same results)."""
-    bounds = cu_seqlens.tolist()
-    sizes = np.diff(bounds).tolist()
-    # one split per input: its backward is one concatenation, where a slice per sequence would
-    # materialise a full-size zero gradient per sequence and charge that to the ablation
-    pieces = [x.split(sizes) for x in (q, k, v, log_decay, beta)]
-    states = None if initial_state is None else initial_state.split(1)
-    outputs, finals, exports = [], [], []
-    for i, size in enumerate(sizes):
-        one = torch.tensor([0, size], dtype=cu_seqlens.dtype, device=cu_seqlens.device)
-        o, final, exported = dispatch.chunk_linear_attention(
-            *(piece[i] for piece in pieces), one,
-            chunk_size=chunk_size, scale=scale,
-            initial_state=None if states is None else states[i],
-            export_chunks=None if export_chunks is None else [export_chunks[i]],
-        )
-        outputs.append(o)
-        finals.append(final)
-        exports.append(exported)
-    return torch.cat(outputs), torch.cat(finals), torch.cat(exports)
+class SequenceAtATime(Dispatch):
+    """The ablation's kernels: one linear-attention call per input sequence instead of one per round."""
+
+    def chunk_linear_attention(self, q, k, v, log_decay, beta, cu_seqlens, *, chunk_size, scale,
+                               initial_state=None, export_chunks=None):
+        bounds = cu_seqlens.tolist()
+        sizes = np.diff(bounds).tolist()
+        # one split per input: its backward is one concatenation, where a slice per sequence would
+        # materialise a full-size zero gradient per sequence and charge that to the ablation
+        pieces = [x.split(sizes) for x in (q, k, v, log_decay, beta)]
+        states = None if initial_state is None else initial_state.split(1)
+        outputs, finals, exports = [], [], []
+        for i, size in enumerate(sizes):
+            one = torch.tensor([0, size], dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+            o, final, exported = super().chunk_linear_attention(
+                *(piece[i] for piece in pieces), one,
+                chunk_size=chunk_size, scale=scale,
+                initial_state=None if states is None else states[i],
+                export_chunks=None if export_chunks is None else [export_chunks[i]],
+            )
+            outputs.append(o)
+            finals.append(final)
+            exports.append(exported)
+        return torch.cat(outputs), torch.cat(finals), torch.cat(exports)
 
 
-SEQUENCE_AT_A_TIME = types.SimpleNamespace(
-    chunk_linear_attention=_sequence_at_a_time_linear_attention,
-    recurrent_linear_attention=dispatch.recurrent_linear_attention,
-    causal_conv1d=dispatch.causal_conv1d,
-    attention=dispatch.attention,
-)
+class StockFla(Dispatch):
+    """The kernels of the baseline a user runs today: linear attention on stock fla ``chunk_kda``."""
+
+    def chunk_linear_attention(self, q, k, v, log_decay, beta, cu_seqlens, *, chunk_size, scale,
+                               initial_state=None, export_chunks=None):
+        if not self.uses_fast_linear_attention(q, k, v, chunk_size):
+            return super().chunk_linear_attention(q, k, v, log_decay, beta, cu_seqlens, chunk_size=chunk_size,
+                                                  scale=scale, initial_state=initial_state, export_chunks=export_chunks)
+        return fla_chunk.stock_chunk_kda(q, k, v, log_decay, beta, cu_seqlens, chunk_size=chunk_size, scale=scale,
+                                         initial_state=initial_state, export_chunks=export_chunks)
 
 
 # ----------------------------------------------------------------------------- fidelity
@@ -431,48 +438,105 @@ def _time_ms(fn, device, repeats=5):
     return (time.perf_counter() - start) / repeats * 1e3
 
 
-def kernel_bench(args, device) -> dict:
-    """Forward and forward+backward time of chunk_linear_attention, fast vs reference, KDA and GDN."""
-    from harts.kernels import chunk_fast, naive
+def _plan_round_calls(args, config):
+    """(cu_seqlens, export_chunks) of every linear-attention round of the benchmark's plan."""
+    from harts.codegen.fx import round_schedule
 
-    config = HybridConfig.preset(args.preset)
+    _full, _batch, plan, _seconds = build_workload(args, config)
+    calls = []
+    for microbatch in range(len(plan.module.microbatches)):
+        layout = plan.layout(microbatch)
+        for r in range(layout.num_rounds):
+            schedule = round_schedule(layout, r)
+            calls.append((schedule["cu_seqlens"], schedule["export_chunks"]))
+    return calls
+
+
+def kernel_bench(args, device) -> dict:
+    """Forward and forward+backward of linear attention: stock fla vs HARTS' call, KDA and GDN.
+
+    ``packed``: --kernel-tokens rows in varlen sequences with initial states, no exports (HARTS'
+    call against stock ``chunk_kda`` on the same input). ``plan_rounds``: every round of the
+    benchmark plan's microbatches at the model's shape, with the round's real initial states and
+    exports (HARTS) against the same packed rows through stock fla without exports.
+    """
+    config = build_config(args)
     heads, key_dim, value_dim = config.linear_num_key_heads, config.linear_key_head_dim, config.linear_value_head_dim
-    chunk = args.chunk_size or config.chunk_size
+    chunk = config.chunk_size
     rng = np.random.default_rng(0)
     lengths = rng.integers(args.kernel_tokens // 16, args.kernel_tokens // 4, size=64)
     lengths = lengths[: max(1, int(np.searchsorted(np.cumsum(lengths), args.kernel_tokens)))]
-    total = int(lengths.sum())
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.long, device=device)
-    results = {"tokens": total, "sequences": len(lengths), "heads": heads, "key_dim": key_dim,
-               "value_dim": value_dim, "chunk_size": chunk}
-    for gate in ("kda", "gdn"):
+    packed_bounds = np.concatenate([[0], np.cumsum(lengths)])
+    rounds = _plan_round_calls(args, config)
+    results = {"tokens": int(packed_bounds[-1]), "sequences": len(lengths), "heads": heads, "key_dim": key_dim,
+               "value_dim": value_dim, "chunk_size": chunk, "plan_rounds": len(rounds),
+               "plan_round_rows": [int(b[-1]) for b, _ in rounds]}
+    kernels = {"stock_fla": fla_chunk.stock_chunk_kda, "harts": fla_chunk.chunk_linear_attention}
+
+    def inputs_for(total, sequences, gate, dtype):
         torch.manual_seed(0)
-        q = torch.nn.functional.normalize(torch.randn(total, heads, key_dim, device=device), dim=-1)
-        k = torch.nn.functional.normalize(torch.randn(total, heads, key_dim, device=device), dim=-1)
-        v = torch.randn(total, heads, value_dim, device=device)
+        q = torch.nn.functional.normalize(torch.randn(total, heads, key_dim, device=device), dim=-1).to(dtype)
+        k = torch.nn.functional.normalize(torch.randn(total, heads, key_dim, device=device), dim=-1).to(dtype)
+        v = torch.randn(total, heads, value_dim, device=device).to(dtype)
         shape = (total, heads, key_dim) if gate == "kda" else (total, heads)
         log_decay = -torch.rand(shape, device=device) * 0.2
-        beta = torch.rand(total, heads, device=device)
-        inputs = [t.requires_grad_() for t in (q, k, v, log_decay, beta)]
-        for name, module in (("fast", chunk_fast), ("naive", naive)):
-            def forward(module=module):
-                with torch.no_grad():
-                    module.chunk_linear_attention(*inputs, cu, chunk_size=chunk, scale=key_dim**-0.5)
+        beta = torch.rand(total, heads, device=device).to(dtype)
+        initial = torch.randn(sequences, heads, key_dim, value_dim, device=device) * 0.1
+        return [t.requires_grad_() for t in (q, k, v, log_decay, beta, initial)]
 
-            def forward_backward(module=module):
-                o, final, _ = module.chunk_linear_attention(*inputs, cu, chunk_size=chunk, scale=key_dim**-0.5)
-                (o.float().sum() + final.float().sum()).backward()
+    def time_calls(kernel, calls, with_exports):
+        say(f"kernel bench: {len(calls)} call(s), exports {'on' if with_exports else 'off'}, {kernel.__name__}")
 
-            try:
-                _reset_peak(device)
-                fwd = _time_ms(forward, device)
-                fwd_bwd = _time_ms(forward_backward, device)
-                entry = {"forward_ms": fwd, "forward_backward_ms": fwd_bwd, "peak_memory_gib": _peak_gib(device)}
-            except torch.cuda.OutOfMemoryError:
-                entry = {"error": "out of memory"}
-                torch.cuda.empty_cache()
+        def forward():
+            with torch.no_grad():
+                for inputs, cu, exports in calls:
+                    kernel(*inputs[:5], cu, chunk_size=chunk, scale=key_dim**-0.5, initial_state=inputs[5],
+                           export_chunks=exports if with_exports else None)
+
+        def forward_backward():
+            for inputs, cu, exports in calls:
+                o, final, exported = kernel(*inputs[:5], cu, chunk_size=chunk, scale=key_dim**-0.5,
+                                            initial_state=inputs[5], export_chunks=exports if with_exports else None)
+                (o.float().sum() + final.sum() + exported.sum()).backward()
+
+        return {"forward_ms": _time_ms(forward, device), "forward_backward_ms": _time_ms(forward_backward, device)}
+
+    dtype = getattr(torch, config.dtype) if device.type == "cuda" else torch.float32
+    for gate in ("kda", "gdn"):
+        packed = [(inputs_for(int(packed_bounds[-1]), len(lengths), gate, dtype),
+                   torch.as_tensor(packed_bounds, device=device), None)]
+        plan_calls = [(inputs_for(int(b[-1]), len(b) - 1, gate, dtype), torch.as_tensor(b, device=device), exports)
+                      for b, exports in rounds]
+        for name, kernel in kernels.items():
+            entry = {"packed": time_calls(kernel, packed, False),
+                     "plan_rounds": time_calls(kernel, plan_calls, name == "harts")}
             results[f"{gate}_{name}"] = entry
             say(f"kernel bench {gate} {name}: {entry}")
+        if device.type == "cuda":
+            try:
+                from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+                if gate == "gdn":
+                    inputs = packed[0][0]
+
+                    def gdn_forward():
+                        with torch.no_grad():
+                            chunk_gated_delta_rule(*(t.unsqueeze(0) for t in inputs[:5]), scale=key_dim**-0.5,
+                                                   initial_state=inputs[5], output_final_state=True,
+                                                   cu_seqlens=packed[0][1])
+
+                    results["gdn_stock_gated_delta_rule_forward_ms"] = _time_ms(gdn_forward, device)
+                    say(f"kernel bench gdn stock chunk_gated_delta_rule forward: "
+                        f"{results['gdn_stock_gated_delta_rule_forward_ms']:.3f} ms")
+            except Exception as error:  # fla's GDN kernels refuse some Triton / GPU pairs
+                results["gdn_stock_gated_delta_rule_error"] = repr(error)[:300]
+    for gate in ("kda", "gdn"):
+        stock, ours = results[f"{gate}_stock_fla"], results[f"{gate}_harts"]
+        for case in ("packed", "plan_rounds"):
+            ratio = ours[case]["forward_backward_ms"] / stock[case]["forward_backward_ms"]
+            results[f"{gate}_{case}_ratio_vs_stock"] = ratio
+        print(f"kernel-fla: gate={gate} packed_fwd_bwd_ratio={results[f'{gate}_packed_ratio_vs_stock']:.3f} "
+              f"plan_rounds_fwd_bwd_ratio={results[f'{gate}_plan_rounds_ratio_vs_stock']:.3f}", flush=True)
     return results
 
 
@@ -506,31 +570,41 @@ def attention_bench_main(args, device: torch.device) -> dict:
 # ----------------------------------------------------------------------------- main
 
 
+def first_training_step(model, plan, batch, kernels, device) -> None:
+    """One HARTS training step: F/B/Grad over the plan's microbatches and one AdamW update."""
+    model.zero_grad(set_to_none=True)
+    harts_pass(model, plan, batch, kernels, len(batch.tokens))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.grad is not None], lr=1e-6, foreach=False)
+    optimizer.step()
+    _sync(device)
+    model.zero_grad(set_to_none=True)
+    del optimizer
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device)
     if args.dtype is None:
         args.dtype = "bfloat16" if device.type == "cuda" else "float32"
-    os.environ["HARTS_KERNELS"] = args.kernels
-    if args.batch_invariant_chunks < 0:
-        raise SystemExit(f"--batch-invariant-chunks must be >= 0, got {args.batch_invariant_chunks}")
-    os.environ["HARTS_BATCH_INVARIANT_CHUNKS"] = str(args.batch_invariant_chunks)
     if args.matmul_precision is None:
         args.matmul_precision = "high" if device.type == "cuda" else "highest"
     # The log-prob head runs its [rows, vocab] GEMMs in fp32 (exact normalisers); with "highest"
     # they take half of an F/B/Grad pass on an H200. TF32 ("high") is closer to what bf16
     # training stacks do and applies to the baseline and HARTS alike.
     torch.set_float32_matmul_precision(args.matmul_precision)
+    kernels = Dispatch(args.kernels)
     if args.kernel_bench:
         results = kernel_bench(args, device)
         Path(args.out).write_text(json.dumps(results, indent=2))
         return results
     if args.attention_bench:
         return attention_bench_main(args, device)
+    stock = StockFla(args.kernels)
+    fla_ready = device.type == "cuda" and fla_chunk.fla_available()
     say(f"torch {torch.__version__}, device {device}"
         + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
-        + f", kernels={args.kernels}, moe={args.moe}, triton={dispatch.TRITON_AVAILABLE}, "
-        f"fp32 matmul precision={args.matmul_precision}, batch-invariant chunks={args.batch_invariant_chunks}")
+        + f", kernels={args.kernels}, fla={'yes' if fla_ready else 'no (the stock-fla baseline runs the reference)'}, "
+        f"fp32 matmul precision={args.matmul_precision}")
 
     model = build_model(args, device)
     config = model.config
@@ -541,6 +615,10 @@ def main(argv=None) -> dict:
 
     _full, batch, plan, plan_seconds = build_workload(args, config)
     num_trajectories = len(batch.tokens)
+    say("first training step (HARTS: F/B/Grad over the plan + one optimizer step) ...")
+    first_training_step(model, plan, batch, kernels, device)
+    first_step_seconds = time.perf_counter() - _STARTED
+    say(f"first training step finished {first_step_seconds:.1f} s after start")
     stats = plan.stats
     layouts = [plan.layout(k) for k in range(len(plan.module.microbatches))]
     compact_rows = sum(layout.num_rows for layout in layouts)
@@ -563,6 +641,8 @@ def main(argv=None) -> dict:
                   "parameters": params, "dtype": config.dtype, "chunk_size": chunk_size},
         "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
         "torch": torch.__version__,
+        "fla": fla_ready,
+        "first_step_seconds": first_step_seconds,
         "workload": {"trajectories": num_trajectories, "raw_tokens": int(batch.semantic_tokens),
                      "trees": len(set(np.asarray(batch.tree_ids).tolist()))},
         "plan": {"seconds": plan_seconds, "microbatches": len(layouts), "compact_rows": compact_rows,
@@ -583,16 +663,24 @@ def main(argv=None) -> dict:
         "baseline_microbatches": len(groups),
     }
 
-    baseline, baseline_lp = measure(
-        "baseline", lambda collect: baseline_pass(model, batch, groups, chunk_size, dispatch, num_trajectories, collect),
+    baseline_fla, baseline_lp = measure(
+        "baseline (stock fla)",
+        lambda collect: baseline_pass(model, batch, groups, chunk_size, stock, num_trajectories, collect),
         model, device, args.warmup, args.repeats)
     # kept on the host so that the HARTS peak-memory figure does not carry a second set of gradients
     baseline_grads = [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    results["baseline"] = baseline
+    results["baseline_fla"] = baseline_fla
+    if not args.no_own_baseline:
+        own, _ = measure(
+            "baseline (HARTS kernels)",
+            lambda collect: baseline_pass(model, batch, groups, chunk_size, kernels, num_trajectories, False),
+            model, device, args.warmup, args.repeats)
+        results["baseline"] = own
+        model.zero_grad(set_to_none=True)
 
     harts_result, harts_lp = measure(
-        "harts", lambda collect: harts_pass(model, plan, batch, dispatch, num_trajectories, collect),
+        "harts", lambda collect: harts_pass(model, plan, batch, kernels, num_trajectories, collect),
         model, device, args.warmup, args.repeats)
     results["harts"] = harts_result
     results["gradient_cosine"] = gradient_agreement(baseline_grads, model)
@@ -601,16 +689,17 @@ def main(argv=None) -> dict:
     if baseline_lp is not None and harts_lp is not None:
         deltas = [float((baseline_lp[t] - harts_lp[t]).abs().mean()) for t in baseline_lp]
         results["mean_abs_logprob_delta"] = float(np.mean(deltas))
-    results["loss_delta"] = abs(baseline["loss"] - harts_result["loss"])
+    results["loss_delta"] = abs(baseline_fla["loss"] - harts_result["loss"])
 
     if not args.no_ablation:
         ablation, _ = measure(
-            "sequence-at-a-time", lambda collect: harts_pass(model, plan, batch, SEQUENCE_AT_A_TIME, num_trajectories, False),
+            "sequence-at-a-time",
+            lambda collect: harts_pass(model, plan, batch, SequenceAtATime(args.kernels), num_trajectories, False),
             model, device, min(args.warmup, 1), max(1, min(args.repeats, 1)))
         results["sequence_at_a_time"] = ablation
         node_result, node_lp = measure(
             "node-at-a-time",
-            lambda collect: harts_pass(model, plan, batch, dispatch, num_trajectories, collect, view_type=NodeAtATimeView),
+            lambda collect: harts_pass(model, plan, batch, kernels, num_trajectories, collect, view_type=NodeAtATimeView),
             model, device, min(args.warmup, 1), max(1, min(args.repeats, 1)))
         results["node_at_a_time"] = node_result
         if baseline_lp is not None and node_lp is not None:
@@ -619,13 +708,13 @@ def main(argv=None) -> dict:
     model.zero_grad(set_to_none=True)
 
     if not args.no_fidelity:
-        say("fidelity: hidden states of baseline, baseline rerun and HARTS ...")
-        reference = hidden_by_trajectory_baseline(model, batch, groups, chunk_size, dispatch)
-        rerun = hidden_by_trajectory_baseline(model, batch, groups, chunk_size, dispatch)
+        say("fidelity: hidden states of the stock-fla baseline, its rerun, repacked, and HARTS ...")
+        reference = hidden_by_trajectory_baseline(model, batch, groups, chunk_size, stock)
+        rerun = hidden_by_trajectory_baseline(model, batch, groups, chunk_size, stock)
         # same math, other packing (each trajectory alone): the rounding noise of a different
         # but equally valid execution, a noise floor that a deterministic rerun cannot show
-        repacked = hidden_by_trajectory_baseline(model, batch, [[i] for i in range(num_trajectories)], chunk_size, dispatch)
-        compact = hidden_by_trajectory_harts(model, plan, batch, dispatch)
+        repacked = hidden_by_trajectory_baseline(model, batch, [[i] for i in range(num_trajectories)], chunk_size, stock)
+        compact = hidden_by_trajectory_harts(model, plan, batch, kernels)
         cosine, nll = logit_agreement(model, reference, compact, batch, args.fidelity_rows)
         rerun_cosine, rerun_nll = logit_agreement(model, reference, rerun, batch, args.fidelity_rows)
         repack_cosine, repack_nll = logit_agreement(model, reference, repacked, batch, args.fidelity_rows)
@@ -638,7 +727,7 @@ def main(argv=None) -> dict:
             say("replay ablation: no-replay hidden states and divergence by state-handoff depth ...")
             forks = fork_positions(plan.module.trie)
             depths = {i: handoff_depths(forks[i], len(batch.tokens[i])) for i in range(num_trajectories)}
-            no_replay = hidden_by_trajectory_baseline(model, batch, groups, chunk_size, dispatch, forks)
+            no_replay = hidden_by_trajectory_baseline(model, batch, groups, chunk_size, kernels, forks)
             ablation_table = {
                 name: divergence_by_depth(model, reference, other, batch.tokens, depths, block_rows=args.fidelity_rows)
                 for name, other in (("rerun", rerun), ("repacked", repacked), ("replay", compact), ("no_replay", no_replay))
@@ -654,15 +743,19 @@ def main(argv=None) -> dict:
         del reference, rerun, repacked, compact
 
     if args.profile:
-        profile_pass("baseline", lambda: baseline_pass(model, batch, groups, chunk_size, dispatch, num_trajectories), model)
-        profile_pass("harts", lambda: harts_pass(model, plan, batch, dispatch, num_trajectories), model)
+        profile_pass("baseline", lambda: baseline_pass(model, batch, groups, chunk_size, stock, num_trajectories), model)
+        profile_pass("harts", lambda: harts_pass(model, plan, batch, kernels, num_trajectories), model)
 
-    results["fbgrad_speedup"] = baseline["mean_seconds"] / harts_result["mean_seconds"]
-    results["core_speedup"] = baseline["mean_seconds"] / results["core"]["mean_seconds"]
+    reference_seconds = baseline_fla["mean_seconds"]
+    results["speedup_vs_fla_baseline"] = reference_seconds / harts_result["mean_seconds"]
+    results["core_vs_fla_baseline"] = reference_seconds / results["core"]["mean_seconds"]
+    if "baseline" in results:
+        results["speedup_vs_own_baseline"] = results["baseline"]["mean_seconds"] / harts_result["mean_seconds"]
+        results["own_baseline_vs_fla_baseline"] = results["baseline"]["mean_seconds"] / reference_seconds
     if "sequence_at_a_time" in results:
-        results["sequence_at_a_time_speedup"] = baseline["mean_seconds"] / results["sequence_at_a_time"]["mean_seconds"]
+        results["sequence_at_a_time_speedup"] = reference_seconds / results["sequence_at_a_time"]["mean_seconds"]
     if "node_at_a_time" in results:
-        results["node_at_a_time_speedup"] = baseline["mean_seconds"] / results["node_at_a_time"]["mean_seconds"]
+        results["node_at_a_time_speedup"] = reference_seconds / results["node_at_a_time"]["mean_seconds"]
         results["harts_vs_node_at_a_time_speedup"] = results["node_at_a_time"]["mean_seconds"] / harts_result["mean_seconds"]
 
     out = Path(args.out)
@@ -671,9 +764,11 @@ def main(argv=None) -> dict:
     say(f"wrote {out}")
     fidelity = results.get("fidelity", {})
     print(
-        f"headline: compression={results['compression']:.4f} fbgrad_speedup={results['fbgrad_speedup']:.4f} "
-        f"core_speedup={results['core_speedup']:.4f} cosine={fidelity.get('cosine', float('nan')):.8f} "
-        f"rerun_cosine={fidelity.get('rerun_cosine', float('nan')):.8f}",
+        f"headline-fla: compression={results['compression']:.4f} "
+        f"speedup_vs_fla_baseline={results['speedup_vs_fla_baseline']:.4f} "
+        f"core_vs_fla_baseline={results['core_vs_fla_baseline']:.4f} "
+        f"speedup_vs_own_baseline={results.get('speedup_vs_own_baseline', float('nan')):.4f} "
+        f"cosine={fidelity.get('cosine', float('nan')):.8f} first_step_seconds={first_step_seconds:.1f}",
         flush=True,
     )
     return results

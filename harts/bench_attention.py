@@ -11,7 +11,7 @@ the model dtype, bf16 on CUDA), on random queries, keys and values:
   one packed buffer (``index_select``: a branch reads a private copy of its shared prefix and
   backward sums the copies' gradients back), then varlen FlashAttention with bottom-right
   causal alignment (the reference kernel on CPU);
-* ``flex_tree``: :func:`harts.kernels.tree_attention.tree_attention`, every compact row once as
+* ``flex_tree``: :func:`harts.kernels.attention.tree_mask.tree_attention`, every compact row once as
   query and once as key/value in one shared buffer under an ancestor-or-self mask,
   FlexAttention under ``torch.compile`` on CUDA (on CPU, where FlexAttention has no backward,
   the same mask densely);
@@ -50,8 +50,9 @@ import torch
 from harts.bench import _peak_gib, _reset_peak, _sync, say
 from harts.codegen.fx import attention_kv_rows
 from harts.codegen.layout import MicrobatchLayout
-from harts.kernels import dispatch, tree_attention
-from harts.kernels.attention_fast import flash_varlen_available
+from harts.kernels import dispatch
+from harts.kernels.attention import tree_mask as tree_attention
+from harts.kernels.attention.varlen import flash_varlen_available
 from harts.runtime.config import HybridConfig
 from harts.runtime.tree_view import TreeView
 
@@ -235,7 +236,7 @@ def _varlen_backend(shape: AttentionShape, device: torch.device, dtype: torch.dt
     q = torch.zeros(1, shape.heads, shape.qk_head_dim, device=device, dtype=dtype)
     k = torch.zeros(1, shape.kv_heads, shape.qk_head_dim, device=device, dtype=dtype)
     v = torch.zeros(1, shape.kv_heads, shape.v_head_dim, device=device, dtype=dtype)
-    if not dispatch.uses_fast_attention(q):
+    if not dispatch.default.uses_fast_attention(q):
         return "pure-torch reference (harts.kernels.naive)"
     return "varlen FlashAttention-2" if flash_varlen_available(q, k, v) else "per-sequence SDPA"
 

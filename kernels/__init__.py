@@ -1,28 +1,24 @@
-"""Sequence kernels of the HARTS runtime (importable as ``harts.kernels``).
+"""Operator kernels of the HARTS runtime (the package ``harts.kernels``), one folder per operator.
 
-``harts.kernels.naive`` holds the pure-torch reference implementations that run on CPU in
-float32/float64 and are differentiable through autograd. Every fast GPU path is held to
-them, forward and backward:
+Laid out as flash-linear-attention lays out its ops: each operator has a pure-torch
+``naive.py`` reference (CPU, float64-capable, differentiable) beside its fast GPU version,
+and the tests hold every fast path to its reference, forward and backward.
 
-* ``chunk_linear_attention``: packed varlen chunkwise gated delta rule (KDA per-key-channel
-  decay, Gated DeltaNet per-head decay) with initial states and exported chunk-boundary
-  states;
-* ``recurrent_linear_attention``: the same recurrence evaluated token by token (test oracle);
-* ``causal_conv1d``: packed varlen depthwise causal convolution with per-sequence context;
-* ``attention``: packed varlen softmax attention with separate query and key spans and
-  bottom-right causal alignment (GQA by repeating key/value heads).
+* ``linear_attention/``: packed varlen chunkwise gated delta rule (KDA per-key-channel decay,
+  Gated DeltaNet per-head decay) with initial states and exported chunk-boundary states.
+  ``naive`` (reference and the token-by-token oracle), ``chunk`` (fla's KDA pipeline with our
+  state kernels), ``state`` (those Triton kernels: fp32 exports in the forward scan, exported-
+  state gradients injected into the reverse scan);
+* ``conv/``: packed varlen depthwise causal convolution with per-sequence context;
+* ``attention/``: packed softmax attention with separate query and key spans, bottom-right
+  causal (``naive``, ``varlen`` FlashAttention-2, ``tree_mask`` FlexAttention over one KV buffer);
+* ``moe/``: routed SwiGLU experts (``naive`` per expert, ``grouped`` grouped GEMMs).
+
+:mod:`harts.kernels.naive` gathers the references into one namespace and
+:mod:`harts.kernels.dispatch` picks the fast path per call (see :class:`~.dispatch.Dispatch`).
 """
 
-from .naive import (
-    attention,
-    causal_conv1d,
-    chunk_linear_attention,
-    recurrent_linear_attention,
-)
+from . import dispatch, naive
+from .dispatch import Dispatch
 
-__all__ = [
-    "attention",
-    "causal_conv1d",
-    "chunk_linear_attention",
-    "recurrent_linear_attention",
-]
+__all__ = ["Dispatch", "dispatch", "naive"]

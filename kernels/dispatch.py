@@ -1,131 +1,134 @@
-"""Kernel dispatch: a drop-in replacement for :mod:`harts.kernels.naive` that picks the fast path.
+"""Kernel dispatch: the fast path where it covers the inputs, the pure-torch reference elsewhere.
 
-Every function here has the name and signature of its reference in ``harts.kernels.naive``,
-so this module can be passed wherever a ``kernels`` module is expected (``BaselineView``,
-``TreeView``, ``harts.runtime.log_probs(..., kernels=dispatch)``).
+A :class:`Dispatch` has the functions of :mod:`harts.kernels.naive` with the same names and
+signatures, so it can be passed wherever a ``kernels`` namespace is expected
+(``BaselineView``, ``TreeView``, ``harts.runtime.log_probs(..., kernels=...)``). This module is
+itself such a namespace: its functions are those of the default dispatch, whose mode is read
+once, at import, from ``HARTS_KERNELS`` (``auto`` when unset). A caller that wants another mode
+builds its own: ``Dispatch("naive")``.
 
-Selection, per call:
+Modes:
 
-* ``HARTS_KERNELS=naive``: always the pure-torch reference;
-* ``HARTS_KERNELS=fast``: always the fast path (on CPU this needs the Triton interpreter,
-  ``TRITON_INTERPRET=1``, for the state scan);
-* unset or ``auto``: the fast path when the inputs are on CUDA and Triton imports (for
-  attention: when the inputs are on CUDA), otherwise the reference.
+* ``auto``: the fast path when it covers the inputs, else the reference;
+* ``fast``: like auto, but linear attention raises instead of falling back (a benchmark must
+  not time the reference by accident);
+* ``naive``: always the reference.
 
-Inputs the fast paths do not cover fall back to the reference whatever the mode says only
-where the reference is the one correct answer: float64 linear attention (the fast path
-computes in fp32), chunk sizes above 64 and head dims above 256.
+Fast paths, by operator:
 
-``causal_conv1d`` and ``recurrent_linear_attention`` always run the reference (the first is
-one gather and one einsum, already fast on GPU; the second is the test oracle).
-``moe_experts`` is the grouped-GEMM expert computation of :mod:`harts.kernels.moe_fast`.
+* ``chunk_linear_attention``: :mod:`.linear_attention.chunk`, flash-linear-attention's KDA
+  pipeline with HARTS' state kernels (CUDA, chunk 32 / 64, bf16 / fp16 / fp32, fla installed).
+  float64 and other chunk sizes run the reference, which is the exact answer for them.
+* ``attention``: :mod:`.attention.varlen` (varlen FlashAttention-2 on CUDA).
+* ``moe_experts``: :mod:`.moe.grouped` (grouped GEMMs on CUDA).
+* ``causal_conv1d``: the reference (one gather and one einsum; fast enough on GPU, and what
+  lets HARTS prepend each sequence's true-ancestor context).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 
 from . import naive
-from .naive import causal_conv1d, recurrent_linear_attention
-from .state_scan import MAX_CHUNK_SIZE, MAX_HEAD_DIM, TRITON_AVAILABLE
-
-logger = logging.getLogger(__name__)
+from .linear_attention import chunk as fla_chunk
 
 __all__ = [
+    "MODES",
+    "Dispatch",
     "attention",
     "causal_conv1d",
     "chunk_linear_attention",
-    "kernel_mode",
+    "default",
+    "mode_from_environment",
     "moe_experts",
     "recurrent_linear_attention",
-    "uses_fast_attention",
-    "uses_fast_linear_attention",
 ]
 
-_MODES = ("auto", "fast", "naive")
-_FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MODES = ("auto", "fast", "naive")
+ENVIRONMENT_VARIABLE = "HARTS_KERNELS"
 
 
-def kernel_mode() -> str:
-    """The selection mode from ``HARTS_KERNELS`` ("auto" when unset)."""
-    mode = os.environ.get("HARTS_KERNELS", "auto").strip().lower() or "auto"
-    if mode not in _MODES:
-        raise ValueError(f"HARTS_KERNELS must be one of {_MODES}, got {mode!r}")
+def mode_from_environment(environ=None) -> str:
+    """The dispatch mode named by ``HARTS_KERNELS`` ("auto" when unset)."""
+    environ = os.environ if environ is None else environ
+    mode = environ.get(ENVIRONMENT_VARIABLE, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{ENVIRONMENT_VARIABLE} must be one of {MODES}, got {mode!r}")
     return mode
 
 
-def uses_fast_linear_attention(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> bool:
-    """Whether :func:`chunk_linear_attention` takes the Triton path for these inputs."""
-    mode = kernel_mode()
-    if mode == "naive":
-        return False
-    supported = (
-        q.dtype in _FAST_DTYPES
-        and isinstance(chunk_size, int)
-        and 1 <= chunk_size <= MAX_CHUNK_SIZE
-        and q.dim() == 3
-        and q.shape[-1] <= MAX_HEAD_DIM
-        and v.dim() == 3
-        and v.shape[-1] <= MAX_HEAD_DIM
-    )
-    if mode == "fast":
-        if not TRITON_AVAILABLE:
-            raise RuntimeError("HARTS_KERNELS=fast but Triton is not installed")
-        if not supported:
-            logger.debug("fast linear attention does not cover these inputs; using the reference")
-        return supported
-    return supported and TRITON_AVAILABLE and q.is_cuda
+class Dispatch:
+    """A kernels namespace that picks each operator's fast path or reference per call."""
 
+    def __init__(self, mode: str = "auto"):
+        if mode not in MODES:
+            raise ValueError(f"kernel mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode
 
-def uses_fast_attention(q: torch.Tensor) -> bool:
-    """Whether :func:`attention` takes the fast path for these inputs."""
-    mode = kernel_mode()
-    if mode == "naive":
-        return False
-    return mode == "fast" or q.is_cuda
+    def __repr__(self) -> str:
+        return f"Dispatch(mode={self.mode!r})"
 
+    # ------------------------------------------------------------------ selection
+    def uses_fast_linear_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int) -> bool:
+        if self.mode == "naive" or q.dtype == torch.float64:
+            return False
+        covered = fla_chunk.supports(q, k, v, chunk_size)
+        if self.mode == "fast" and not covered:
+            raise RuntimeError(
+                "HARTS kernel mode 'fast': the fla linear-attention path does not cover these inputs "
+                f"(device {q.device}, dtypes {q.dtype}/{k.dtype}/{v.dtype}, chunk size {chunk_size}, "
+                f"head dims {q.shape[-1]}/{v.shape[-1]}, fla installed: {fla_chunk.fla_available()}); "
+                "it needs CUDA, chunk size 32 or 64, one dtype for q/k/v and head dims <= 256"
+            )
+        return covered
 
-def chunk_linear_attention(
-    q,
-    k,
-    v,
-    log_decay,
-    beta,
-    cu_seqlens,
-    *,
-    chunk_size,
-    scale,
-    initial_state=None,
-    export_chunks=None,
-):
-    """See :func:`harts.kernels.naive.chunk_linear_attention`; the fast path returns states in fp32."""
-    if uses_fast_linear_attention(q, v, chunk_size):
-        from .chunk_fast import chunk_linear_attention as fast
+    def uses_fast_attention(self, q: torch.Tensor) -> bool:
+        return self.mode != "naive" and q.is_cuda
 
-        return fast(
+    def uses_grouped_experts(self, x: torch.Tensor) -> bool:
+        return self.mode != "naive" and x.is_cuda
+
+    # ------------------------------------------------------------------ operators
+    def chunk_linear_attention(self, q, k, v, log_decay, beta, cu_seqlens, *, chunk_size, scale,
+                               initial_state=None, export_chunks=None):
+        """See :func:`harts.kernels.linear_attention.naive.chunk_linear_attention`."""
+        kernel = fla_chunk if self.uses_fast_linear_attention(q, k, v, chunk_size) else naive
+        return kernel.chunk_linear_attention(
             q, k, v, log_decay, beta, cu_seqlens,
             chunk_size=chunk_size, scale=scale, initial_state=initial_state, export_chunks=export_chunks,
         )
-    return naive.chunk_linear_attention(
-        q, k, v, log_decay, beta, cu_seqlens,
-        chunk_size=chunk_size, scale=scale, initial_state=initial_state, export_chunks=export_chunks,
-    )
+
+    def recurrent_linear_attention(self, *args, **kwargs):
+        """The token-by-token oracle (always the reference)."""
+        return naive.recurrent_linear_attention(*args, **kwargs)
+
+    def causal_conv1d(self, x, weight, bias, cu_seqlens, *, context=None, activation="silu"):
+        """See :func:`harts.kernels.conv.naive.causal_conv1d`."""
+        return naive.causal_conv1d(x, weight, bias, cu_seqlens, context=context, activation=activation)
+
+    def attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal=True):
+        """See :func:`harts.kernels.attention.naive.attention`."""
+        if self.uses_fast_attention(q):
+            from .attention import varlen
+
+            return varlen.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal)
+        return naive.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal)
+
+    def moe_experts(self, x, indices, weights, gate_up_proj, down_proj):
+        """See :func:`harts.kernels.moe.naive.moe_experts`."""
+        if self.uses_grouped_experts(x):
+            from .moe import grouped
+
+            return grouped.moe_experts(x, indices, weights, gate_up_proj, down_proj)
+        return naive.moe_experts(x, indices, weights, gate_up_proj, down_proj)
 
 
-def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal=True):
-    """See :func:`harts.kernels.naive.attention`."""
-    if uses_fast_attention(q):
-        from .attention_fast import attention as fast
+default = Dispatch(mode_from_environment())
 
-        return fast(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal)
-    return naive.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal)
-
-
-def moe_experts(x, indices, weights, gate_up_proj, down_proj):
-    """Routed SwiGLU experts (see :func:`harts.kernels.moe_fast.moe_experts`)."""
-    from .moe_fast import moe_experts as experts
-
-    return experts(x, indices, weights, gate_up_proj, down_proj)
+chunk_linear_attention = default.chunk_linear_attention
+recurrent_linear_attention = default.recurrent_linear_attention
+causal_conv1d = default.causal_conv1d
+attention = default.attention
+moe_experts = default.moe_experts

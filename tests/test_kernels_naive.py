@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harts.kernels import attention, causal_conv1d, chunk_linear_attention, recurrent_linear_attention
+from harts.kernels.naive import attention, causal_conv1d, chunk_linear_attention, recurrent_linear_attention
 
 F64 = torch.float64
 

@@ -202,18 +202,26 @@ def test_one_call_per_trie_node_parents_first(trajectories, fraction):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (torch.cuda.is_available() and dispatch.TRITON_AVAILABLE), reason="needs a CUDA GPU and triton")
-def test_gpu_fast_kernels_match_the_reference_node_at_a_time(monkeypatch):
-    """The Triton path chains fp32 final states (and their gradients) like the reference does."""
-    batch, plan = compile_plan(forked_batch())
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_fast_kernels_match_the_reference_node_at_a_time():
+    """The fla path chains fp32 final states (and their gradients) like the reference does."""
+    from harts.kernels import Dispatch
+    from harts.kernels.linear_attention.chunk import fla_available
+
+    if not fla_available():
+        pytest.skip("flash-linear-attention is not installed")
+    chunk = 32  # fla's KDA kernels take chunk sizes 32 and 64
+    batch = harts.RolloutBatch.from_trajectories(forked_trajectories(chunk))
+    plan = harts.compile(batch, capacity=65536, chunk_size=chunk)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = HybridModel(HybridConfig.preset("tiny", vocab_size=VOCAB, chunk_size=CHUNK, dtype="float32"))
+        model = HybridModel(HybridConfig.preset("tiny", vocab_size=VOCAB, chunk_size=chunk, dtype="float32"))
     results = {}
     for mode in ("naive", "fast"):
-        monkeypatch.setenv("HARTS_KERNELS", mode)
-        log_probs = harts.runtime.log_probs(model, plan, batch, recompute=True, kernels=dispatch, view_type=NodeAtATimeView).log_probs
+        log_probs = harts.runtime.log_probs(model, plan, batch, recompute=True, kernels=Dispatch(mode),
+                                            view_type=NodeAtATimeView).log_probs
         results[mode] = (log_probs, parameter_grads(model, log_probs, 0))
     grads_scale = max(float(g.abs().max()) for g in results["naive"][1])
-    assert max_diff(results["fast"][0], results["naive"][0]) < 1e-4
-    assert max_diff(results["fast"][1], results["naive"][1]) < 1e-4 * grads_scale
+    # fla runs fp32 operands of its dots as tf32
+    assert max_diff(results["fast"][0], results["naive"][0]) < 2e-2
+    assert max_diff(results["fast"][1], results["naive"][1]) < 2e-2 * grads_scale

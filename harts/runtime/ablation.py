@@ -32,7 +32,7 @@ import torch
 from harts.codegen.fx import default_kernels
 from harts.codegen.layout import MicrobatchLayout
 from harts.ir.nodes import CompactTrie
-from harts.kernels.tree_attention import layout_parents
+from harts.kernels.attention.tree_mask import layout_parents
 from harts.runtime.tree_view import TreeView
 from harts.runtime.view import BaselineView
 

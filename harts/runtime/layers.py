@@ -178,6 +178,13 @@ def _inverse_softplus(y: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- linear attention
 
 
+def _linear_attention(view: ExecutionView, dtype: torch.dtype, q, k, v, log_decay, beta, *, scale: float) -> torch.Tensor:
+    """The view's gated delta rule with q, k, v and beta in the model dtype and the log decay in
+    at least float32, as fla's chunk kernels take them (bf16 operands, fp32 gates and accumulation)."""
+    o = view.linear_attention(q.to(dtype), k.to(dtype), v.to(dtype), log_decay, beta.to(dtype), scale=scale)
+    return o.to(dtype)
+
+
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet token mixer (Qwen3-Next layout); see the module docstring for the math."""
 
@@ -234,7 +241,7 @@ class GatedDeltaNet(nn.Module):
         if group > 1:
             q = q.repeat_interleave(group, dim=1)
             k = k.repeat_interleave(group, dim=1)
-        o = view.linear_attention(q, k, v, log_decay, beta, scale=self.head_k_dim**-0.5).to(x.dtype)
+        o = _linear_attention(view, x.dtype, q, k, v, log_decay, beta, scale=self.head_k_dim**-0.5)
         o = self.norm(o, z).reshape(rows, self.value_dim)
         return self.out_proj(o)
 
@@ -302,7 +309,7 @@ class KimiDeltaAttention(nn.Module):
         v = v.reshape(rows, self.num_heads, self.head_v_dim).to(cd)
         log_decay = self.forget_gate(x)  # [C, H, K]
         beta = torch.sigmoid(self.b_proj(x)).to(cd)
-        o = view.linear_attention(q, k, v, log_decay, beta, scale=self.head_k_dim**-0.5).to(x.dtype)
+        o = _linear_attention(view, x.dtype, q, k, v, log_decay, beta, scale=self.head_k_dim**-0.5)
         gate = self.g_b_proj(self.g_a_proj(x)).view(rows, self.num_heads, self.head_v_dim)
         o = self.o_norm(o, gate).reshape(rows, self.value_dim)
         return self.o_proj(o)

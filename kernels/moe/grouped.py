@@ -1,7 +1,7 @@
 """Routed SwiGLU experts as grouped GEMMs over expert-sorted rows (fast MoE path).
 
-Same math as :class:`harts.runtime.moe.Experts` (HF 3-D expert weights ``gate_up_proj``
-[E, 2I, D] and ``down_proj`` [E, D, I])::
+Same signature and math as :func:`harts.kernels.moe.naive.moe_experts` (HF 3-D expert weights
+``gate_up_proj`` [E, 2I, D] and ``down_proj`` [E, D, I])::
 
     out[c] = sum_j weights[c, j] * down_e(silu(gate_e(x_c)) * up_e(x_c)),   e = indices[c, j]
 
@@ -12,19 +12,14 @@ it, otherwise as one matmul per non-empty segment (one host sync for the segment
 instead of the reference's per-expert ``where``). Results return to (row, slot) order by a
 gather and are combined with the routing weights in fp32; no atomic adds, so reruns are
 bitwise identical. Each compact row is routed and computed once (paper §4.2).
-
-:func:`patch_experts` switches every ``Experts`` module of a model to this path (used by
-the runtime benchmark); :func:`moe_experts` is the functional form.
 """
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.nn.functional as F
 
-__all__ = ["grouped_mm_available", "moe_experts", "patch_experts"]
+__all__ = ["grouped_mm_available", "moe_experts"]
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
@@ -78,19 +73,3 @@ def moe_experts(
     unsorted = y.index_select(0, torch.argsort(order)).view(rows, top_k, -1)
     combined = (unsorted.float() * weights.float().unsqueeze(-1)).sum(dim=1)
     return combined.to(x.dtype)
-
-
-def _grouped_forward(self, x, indices, weights):
-    return moe_experts(x, indices, weights, self.gate_up_proj, self.down_proj)
-
-
-def patch_experts(model: torch.nn.Module) -> int:
-    """Route every ``harts.runtime.moe.Experts`` of ``model`` through :func:`moe_experts`; returns how many."""
-    from harts.runtime.moe import Experts
-
-    patched = 0
-    for module in model.modules():
-        if isinstance(module, Experts):
-            module.forward = types.MethodType(_grouped_forward, module)
-            patched += 1
-    return patched

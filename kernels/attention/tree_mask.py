@@ -1,6 +1,6 @@
 """Softmax attention over one shared KV buffer with a tree mask (FlexAttention).
 
-The packed attention of :mod:`harts.kernels.attention_fast` takes, per input sequence, its
+The packed attention of :mod:`harts.kernels.attention.varlen` takes, per input sequence, its
 queries and a gathered copy of its ancestors' keys/values: a branch forking from a long
 shared prefix re-reads (and its backward re-accumulates) a private copy of that prefix.
 This module is the alternative the issue asks to consider: every compact row appears once

@@ -1,6 +1,6 @@
 """Fast packed softmax attention with separate query/key spans, bottom-right causal (GPU).
 
-Same signature and result as :func:`harts.kernels.naive.attention`. Paths, in order:
+Same signature and result as :func:`harts.kernels.attention.naive.attention`. Paths, in order:
 
 1. **Varlen FlashAttention-2** (``torch.ops.aten._flash_attention_forward`` /
    ``_flash_attention_backward``, the kernels behind PyTorch's SDPA) when the inputs are on
@@ -19,7 +19,7 @@ Same signature and result as :func:`harts.kernels.naive.attention`. Paths, in or
    bias) otherwise (fp32 on CUDA, or CPU when forced): exact, one call per sequence.
 
 The alternative "one shared KV buffer with a tree mask" (no duplicated ancestor KV per
-branch) is :func:`harts.kernels.tree_attention.tree_attention`; it needs the plan's tree
+branch) is :func:`harts.kernels.attention.tree_mask.tree_attention`; it needs the plan's tree
 structure rather than this packed-span signature.
 """
 
@@ -29,19 +29,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .._checks import sequence_bounds
+
 __all__ = ["attention", "flash_varlen_available"]
 
 _FLASH_DTYPES = (torch.bfloat16, torch.float16)
 _MAX_FLASH_HEAD_DIM = 256
-
-
-def _bounds(cu_seqlens: torch.Tensor, total: int, name: str) -> np.ndarray:
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"{name} must be a 1-D LongTensor [N+1], got {cu_seqlens!r}")
-    bounds = cu_seqlens.detach().cpu().numpy().astype(np.int64)
-    if bounds[0] != 0 or bounds[-1] != total or np.any(np.diff(bounds) < 0):
-        raise ValueError(f"{name} must run non-decreasing from 0 to {total}; got {bounds.tolist()[:8]}...")
-    return bounds
 
 
 def flash_varlen_available(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -121,7 +114,7 @@ def attention(
     scale: float,
     causal: bool = True,
 ) -> torch.Tensor:
-    """Packed attention, bottom-right causal per sequence; see :func:`harts.kernels.naive.attention`.
+    """Packed attention, bottom-right causal per sequence; see :func:`harts.kernels.attention.naive.attention`.
 
     Args:
         q: [Tq, Hq, Dk]; k: [Tk, Hkv, Dk]; v: [Tk, Hkv, Dv]; cu_seqlens_q, cu_seqlens_k: [N+1].
@@ -134,8 +127,8 @@ def attention(
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
-    q_bounds = _bounds(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
-    k_bounds = _bounds(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+    q_bounds = sequence_bounds(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
+    k_bounds = sequence_bounds(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
     if len(q_bounds) != len(k_bounds):
         raise ValueError(f"cu_seqlens_q has {len(q_bounds) - 1} sequences but cu_seqlens_k has {len(k_bounds) - 1}")
     q_lengths, k_lengths = np.diff(q_bounds), np.diff(k_bounds)

@@ -1,0 +1,1 @@
+"""Depthwise causal short convolution: ``naive`` reference (one gather + one einsum)."""

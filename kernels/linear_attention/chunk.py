@@ -1,0 +1,303 @@
+"""Chunkwise gated delta rule (KDA, Gated DeltaNet) on flash-linear-attention, with HARTS' contract.
+
+Same signature and results as :func:`harts.kernels.linear_attention.naive.chunk_linear_attention`
+(Eq. 16 of the paper): one packed varlen call with per-sequence initial states, returning the
+outputs, every sequence's final state and the chunk-boundary states the plan requests, all
+states in fp32; the exported states stay in the autograd graph, so the rounds that start from
+them send their gradients back into this call.
+
+The call is fla's KDA chunk pipeline with its two state kernels replaced by ours
+(:mod:`.state`), which write the requested boundary states during the forward state scan and
+add their gradients into the reverse state-gradient scan at their boundary:
+
+    forward:  chunk_local_cumsum -> chunk_kda_fwd_intra (w, u, kg, Aqk, Akk)
+              -> scan_forward (h, v_new, final and exported states) -> chunk_gla_fwd_o_gk (o)
+    backward: recompute_w_u_fwd -> scan_forward (h, v_new again) -> chunk_kda_bwd_dAv
+              -> scan_backward (dh, dh0, dv; exported-state gradients injected)
+              -> chunk_kda_bwd_wy_dqkg_fused -> chunk_kda_bwd_intra -> reverse chunk_local_cumsum
+
+which is what fla's own ``chunk_kda`` runs, kernel for kernel, so a sequence's outputs,
+states and gradients equal stock ``chunk_kda``'s on the same rows (its forward is also batch
+invariant: a sequence packed with others gives the outputs it gives alone). Gated DeltaNet's
+per-head gate [T, H] takes the same route broadcast over the key channels ([T, H, K]): the same
+recurrence, and fla's Gated DeltaNet backward refuses Triton < 3.7.1 on Hopper.
+
+Bounds: CUDA, chunk size 32 or 64 (fla's KDA kernels), head dims <= 256, q/k/v of one dtype
+(bf16, fp16 or fp32). :mod:`harts.kernels` dispatches here only for inputs inside them.
+
+Autotuning: fla tunes its kernels on first use (minutes). :func:`configure_fla` points fla at
+the configs shipped in ``configs/<GPU>/`` (tuned on that GPU by ``benchmarks/tune_fla.py``)
+before fla is first imported, unless the user set ``FLA_CACHE_MODE`` / ``FLA_CONFIG_DIR``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .naive import check_export_chunks, check_linear_attention_inputs
+from .state import MAX_HEAD_DIM, scan_backward, scan_forward
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SUPPORTED_CHUNK_SIZES", "chunk_linear_attention", "configure_fla", "fla_available", "stock_chunk_kda"]
+
+SUPPORTED_CHUNK_SIZES = (32, 64)
+CONFIG_ROOT = Path(__file__).resolve().parent / "configs"
+_LAYOUT_CACHE_SIZE = 128
+_fla = None
+
+
+def _gpu_config_name(device: torch.device) -> str:
+    return re.sub(r"[^0-9A-Za-z]+", "_", torch.cuda.get_device_name(device)).strip("_") or "unknown_gpu"
+
+
+def configure_fla(device: torch.device | None = None) -> Path | None:
+    """Point fla at HARTS' pinned kernel configs for this GPU (call before fla is imported).
+
+    Returns the config directory used, or None when the user configured fla already or no
+    configs ship for this GPU (fla then autotunes as usual).
+    """
+    if "FLA_CACHE_MODE" in os.environ or "FLA_CONFIG_DIR" in os.environ:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    directory = CONFIG_ROOT / _gpu_config_name(device or torch.device("cuda"))
+    if not directory.is_dir():
+        logger.info("no pinned fla configs for %s; fla will autotune on first use", directory.name)
+        return None
+    # fuzzy: a config tuned for one shape serves every shape of the same dtypes; an untuned
+    # dtype still autotunes rather than running a config that may not fit it
+    os.environ["FLA_CACHE_MODE"] = "fuzzy"
+    os.environ["FLA_CONFIG_DIR"] = str(directory)
+    return directory
+
+
+def _load_fla():
+    """Import the fla pieces once (after :func:`configure_fla`); None when fla is not installed."""
+    global _fla
+    if _fla is None:
+        configure_fla()
+        try:
+            from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv, chunk_kda_bwd_wy_dqkg_fused
+            from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra, chunk_kda_fwd_intra
+            from fla.ops.kda.wy_fast import recompute_w_u_fwd
+            from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+            from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
+            from fla.ops.utils.constant import RCP_LN2
+        except ImportError:
+            _fla = False
+            return None
+        _fla = {
+            "chunk_local_cumsum": chunk_local_cumsum,
+            "prepare_chunk_indices": prepare_chunk_indices,
+            "fwd_intra": chunk_kda_fwd_intra,
+            "fwd_o": chunk_gla_fwd_o_gk,
+            "recompute_w_u": recompute_w_u_fwd,
+            "bwd_dAv": chunk_kda_bwd_dAv,
+            "bwd_wy": chunk_kda_bwd_wy_dqkg_fused,
+            "bwd_intra": chunk_kda_bwd_intra,
+            "rcp_ln2": RCP_LN2,
+        }
+    return _fla or None
+
+
+def fla_available() -> bool:
+    """Whether flash-linear-attention imports here."""
+    return _load_fla() is not None
+
+
+class _CallLayout:
+    """Index tensors of one packed call (bounds, chunk size, export requests, device), built once."""
+
+    def __init__(self, bounds: np.ndarray, chunk_size: int, requests: list[tuple[int, int]], device: torch.device):
+        fla = _load_fla()
+        lengths = np.diff(bounds)
+        counts = -(-lengths // chunk_size)
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.num_chunks = int(offsets[-1])
+        self.cu_seqlens = torch.as_tensor(bounds, dtype=torch.long, device=device)
+        self.chunk_offsets = torch.as_tensor(offsets, dtype=torch.long, device=device)
+        self.chunk_indices = fla["prepare_chunk_indices"](self.cu_seqlens, chunk_size)
+        chunk_export = np.full(self.num_chunks, -1, dtype=np.int32)
+        final_export = np.full(len(lengths), -1, dtype=np.int32)
+        unique: dict[tuple[int, int], int] = {}
+        request_slot = []
+        for sequence, chunks in requests:
+            slot = unique.setdefault((sequence, chunks), len(unique))
+            request_slot.append(slot)
+            if chunks < counts[sequence]:
+                chunk_export[offsets[sequence] + chunks] = slot
+            else:
+                final_export[sequence] = slot
+        self.num_exports = len(unique)
+        self.chunk_export = torch.as_tensor(chunk_export, device=device)
+        self.final_export = torch.as_tensor(final_export, device=device)
+        # a state requested twice is written once; index_select hands it to both requests
+        identity = request_slot == list(range(len(request_slot)))
+        self.request_slot = None if identity else torch.as_tensor(request_slot, dtype=torch.long, device=device)
+
+
+_layouts: OrderedDict = OrderedDict()
+
+
+def _call_layout(bounds: np.ndarray, chunk_size: int, requests: list[tuple[int, int]], device: torch.device) -> _CallLayout:
+    # every layer of a microbatch makes the same calls: build their index tensors once
+    key = (bounds.tobytes(), chunk_size, tuple(requests), str(device))
+    layout = _layouts.get(key)
+    if layout is None:
+        layout = _CallLayout(bounds, chunk_size, requests, device)
+        _layouts[key] = layout
+        if len(_layouts) > _LAYOUT_CACHE_SIZE:
+            _layouts.popitem(last=False)
+    else:
+        _layouts.move_to_end(key)
+    return layout
+
+
+class ChunkGatedDeltaRule(torch.autograd.Function):
+    """(q, k, v, g, beta, initial_state) -> (o, final_state, exported); tensors [1, T, H, *]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, layout: _CallLayout, scale: float, chunk_size: int):
+        fla = _load_fla()
+        common = {"cu_seqlens": layout.cu_seqlens, "chunk_size": chunk_size, "chunk_indices": layout.chunk_indices}
+        g_cumsum = fla["chunk_local_cumsum"](g, scale=fla["rcp_ln2"], **common)
+        w, u, _, kg, Aqk, Akk = fla["fwd_intra"](q=q, k=k, v=v, gk=g_cumsum, beta=beta, scale=scale, **common)
+        h, v_new, final_state, exported = scan_forward(
+            kg[0], w[0], u[0], g_cumsum[0], initial_state, layout.cu_seqlens, layout.chunk_offsets,
+            layout.chunk_export, layout.final_export, layout.num_exports, chunk_size,
+        )
+        o = fla["fwd_o"](q=q, v=v_new.unsqueeze(0), g=g_cumsum, A=Aqk, h=h.unsqueeze(0), scale=scale, **common)
+        ctx.save_for_backward(q, k, v, g_cumsum, beta, Aqk, Akk, initial_state)
+        ctx.layout, ctx.scale, ctx.chunk_size = layout, scale, chunk_size
+        ctx.set_materialize_grads(False)
+        return o.to(q.dtype), final_state, exported
+
+    @staticmethod
+    def backward(ctx, do, d_final, d_exported):
+        fla = _load_fla()
+        q, k, v, g, beta, Aqk, Akk, initial_state = ctx.saved_tensors
+        layout, scale, chunk_size = ctx.layout, ctx.scale, ctx.chunk_size
+        common = {"cu_seqlens": layout.cu_seqlens, "chunk_size": chunk_size, "chunk_indices": layout.chunk_indices}
+        if do is None:
+            do = torch.zeros_like(v)
+        do = do.contiguous()
+        # recompute what the forward freed, as fla's chunk_kda does
+        w, u, qg, kg = fla["recompute_w_u"](
+            k=k, v=v, beta=beta, A=Akk, gk=g, q=q, cu_seqlens=layout.cu_seqlens, chunk_indices=layout.chunk_indices
+        )
+        h, v_new, _, _ = scan_forward(
+            kg[0], w[0], u[0], g[0], initial_state, layout.cu_seqlens, layout.chunk_offsets, None, None, 0, chunk_size
+        )
+        v_new = v_new.unsqueeze(0)
+        dAqk, dv = fla["bwd_dAv"](q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, **common)
+        dh, dh0, dv = scan_backward(
+            qg[0], kg[0], w[0], g[0], do[0], dv[0],
+            None if d_final is None else d_final.contiguous(),
+            None if d_exported is None else d_exported.contiguous(),
+            initial_state is not None, layout.cu_seqlens, layout.chunk_offsets,
+            layout.chunk_export, layout.final_export, scale, chunk_size,
+        )
+        dq, dk, dv, db, dg, dAkk = fla["bwd_wy"](
+            q=q, k=k, v=v, v_new=v_new, g=g, beta=beta, A=Akk, h=h.unsqueeze(0), do=do, dh=dh.unsqueeze(0),
+            dv=dv.unsqueeze(0), scale=scale, **common,
+        )
+        dq, dk, db, dg = fla["bwd_intra"](
+            q=q, k=k, g=g, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, **common
+        )
+        dg = fla["chunk_local_cumsum"](dg, reverse=True, **common)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, db.to(beta.dtype), dh0, None, None, None
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int) -> bool:
+    """Whether this path covers these inputs (and fla is installed)."""
+    return (
+        q.is_cuda
+        and chunk_size in SUPPORTED_CHUNK_SIZES
+        and q.dim() == 3
+        and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and k.dtype == q.dtype
+        and v.dtype == q.dtype
+        and q.shape[-1] <= MAX_HEAD_DIM
+        and v.shape[-1] <= MAX_HEAD_DIM
+        and fla_available()
+    )
+
+
+def chunk_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_decay: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    chunk_size: int,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+    export_chunks: Sequence[Sequence[int]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See :func:`harts.kernels.linear_attention.naive.chunk_linear_attention`; states come back in fp32."""
+    if _load_fla() is None:
+        raise RuntimeError("this linear-attention path needs flash-linear-attention (pip install flash-linear-attention)")
+    if chunk_size not in SUPPORTED_CHUNK_SIZES:
+        raise ValueError(f"fla's chunkwise KDA kernels take chunk sizes {SUPPORTED_CHUNK_SIZES}, got {chunk_size}")
+    bounds = check_linear_attention_inputs(q, k, v, log_decay, beta, cu_seqlens, chunk_size, initial_state)
+    total, heads, key_dim = q.shape
+    requests = check_export_chunks(export_chunks, -(-np.diff(bounds) // chunk_size))
+    layout = _call_layout(bounds, chunk_size, requests, q.device)
+    gate = log_decay if log_decay.dim() == 3 else log_decay.unsqueeze(-1).expand(total, heads, key_dim)
+    state = None if initial_state is None else initial_state.float().contiguous()
+    o, final_state, exported = ChunkGatedDeltaRule.apply(
+        q.contiguous().unsqueeze(0), k.contiguous().unsqueeze(0), v.contiguous().unsqueeze(0),
+        gate.float().contiguous().unsqueeze(0), beta.to(q.dtype).contiguous().unsqueeze(0),
+        state, layout, float(scale), chunk_size,
+    )
+    if layout.request_slot is not None:
+        exported = exported.index_select(0, layout.request_slot)
+    return o[0], final_state, exported
+
+
+def stock_chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_decay: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    chunk_size: int,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+    export_chunks: Sequence[Sequence[int]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fla's public ``chunk_kda``, called as a trajectory-wise trainer calls it (the baseline's kernel).
+
+    Same signature as :func:`chunk_linear_attention` so that a baseline view can run it; it has
+    no boundary-state exports (stock fla cannot return them), and Gated DeltaNet's per-head gate
+    takes the KDA route broadcast over K (fla's own Gated DeltaNet backward refuses Triton < 3.7.1
+    on Hopper). Zero initial states are passed explicitly, as fla returns the initial-state
+    gradient only when it is given one (and a trainer passes none).
+    """
+    if any(export_chunks or ()):
+        raise ValueError("stock fla cannot export chunk-boundary states; the trajectory-wise baseline never asks")
+    from fla.ops.kda import chunk_kda
+
+    bounds = check_linear_attention_inputs(q, k, v, log_decay, beta, cu_seqlens, chunk_size, initial_state)
+    total, heads, key_dim = q.shape
+    gate = log_decay if log_decay.dim() == 3 else log_decay.unsqueeze(-1).expand(total, heads, key_dim)
+    o, final_state = chunk_kda(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), gate.float().contiguous().unsqueeze(0),
+        beta.to(q.dtype).unsqueeze(0), scale=scale, output_final_state=True,
+        initial_state=None if initial_state is None else initial_state.float(),
+        cu_seqlens=cu_seqlens.long(), chunk_size=chunk_size,
+    )
+    return o[0], final_state, q.new_zeros(0, heads, key_dim, v.shape[-1], dtype=torch.float32)

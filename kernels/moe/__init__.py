@@ -1,0 +1,1 @@
+"""Routed SwiGLU experts: ``naive`` per-expert reference, ``grouped`` grouped-GEMM path."""
