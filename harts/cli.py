@@ -96,10 +96,20 @@ def inspect_command(
     plan_path: Path = typer.Argument(..., help="Plan artifact written by `harts compile`."),
     as_json: bool = typer.Option(False, "--json", help="Print the full inspect document as JSON."),
     ir: bool = typer.Option(False, "--ir", help="Print the plan's IR text."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write PNG figures of the plan into DIR (replica x slot work, a segment tree, histograms)."),
+    microbatch: Optional[int] = typer.Option(None, "--microbatch", help="Microbatch whose segment tree --plot draws (default: the one with the most rounds)."),
 ) -> None:
     """Show a plan: statistics, microbatches and rounds."""
     try:
         plan = harts.load_plan(plan_path)
+        if plot is not None:
+            from harts.viz import write_plots
+
+            with console.status(f"plotting into {plot}"):
+                paths = write_plots(plan, plot, microbatch=microbatch)
+            for path in paths:
+                console.print(f"wrote {path}")
+            return
     except HartsError as error:
         _fail(error)
     if as_json:
