@@ -8,7 +8,6 @@ plan's output and of the baseline's output must both match, values, entropies an
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 
 import matplotlib.image
-import numpy as np
 import pytest
 from typer.testing import CliRunner
 
