@@ -31,7 +31,6 @@ from tests.framework_batches import (
 )
 from tests.test_runtime_equivalence import tiny_model
 
-pytestmark = pytest.mark.filterwarnings("ignore:is_fx_tracing will return true")
 
 CHUNK = 4
 

@@ -19,7 +19,6 @@ from harts.runtime import log_probs, log_probs_baseline
 from tests.strategies import token_trees
 from tests.test_runtime_equivalence import tiny_model
 
-pytestmark = pytest.mark.filterwarnings("ignore:is_fx_tracing will return true")
 
 CHUNK = 4
 
