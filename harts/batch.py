@@ -8,6 +8,13 @@ ends at an interior node). Metadata comes in two shapes:
   log-prob of ``tokens[t]`` is therefore ``log_probs[t - 1]`` in the runtime's output.
 * per-trajectory fields (reward, group id, scalar advantage, ...) hold one value each.
 
+Router replay: the experts an inference engine routed each token to (``[layers, top_k]`` per
+token, layers counted over the model's MoE layers) travel as the per-token integer fields
+``routed_experts.<layer>.<slot>`` (:func:`routed_experts_field`), so node tables, hashing and
+subsets carry them like any other per-token field; ``from_trajectories(routed_experts=...)``
+takes them as one ``[len, layers, top_k]`` array per trajectory and
+:attr:`RolloutBatch.routed_experts` gives them back in that shape.
+
 Sharing is never visible here: two trajectories that share a prefix keep their own
 labels and metadata for every position.
 """
@@ -29,6 +36,49 @@ MAX_TOKEN_ID = 2**32 - 1
 
 #: Field names a user may omit; ``loss_mask`` defaults to all ones.
 DEFAULT_TOKEN_FIELDS = ("loss_mask",)
+
+#: Prefix of the per-token fields holding replayed expert ids (see the module docstring).
+ROUTED_EXPERTS = "routed_experts"
+
+
+def routed_experts_field(layer: int, slot: int) -> str:
+    """Name of the per-token field holding the ``slot``-th routed expert of MoE layer ``layer``."""
+    return f"{ROUTED_EXPERTS}.{layer}.{slot}"
+
+
+def _routed_experts_key(name: str) -> tuple[int, int] | None:
+    parts = name.split(".")
+    if len(parts) == 3 and parts[0] == ROUTED_EXPERTS and parts[1].isdigit() and parts[2].isdigit():
+        return int(parts[1]), int(parts[2])
+    return None
+
+
+def _routed_experts_fields(values: Any, count: int) -> dict[str, tuple[np.ndarray, ...]]:
+    """Split one ``[len, layers, top_k]`` integer array per trajectory into per-token fields."""
+    if not _is_per_token(values) or len(values) != count:
+        got = len(values) if _is_per_token(values) else "a scalar"
+        raise RolloutInputError(f"field '{ROUTED_EXPERTS}': expected one entry per trajectory ({count}), got {got}")
+    arrays = [np.asarray(entry) for entry in values]
+    shape = None
+    for index, array in enumerate(arrays):
+        if array.ndim != 3 or array.dtype.kind not in "iu":
+            raise RolloutInputError(
+                f"trajectory {index}: field '{ROUTED_EXPERTS}' must be an integer array [len, layers, top_k], "
+                f"got {array.dtype} of shape {array.shape}"
+            )
+        if shape is None:
+            shape = array.shape[1:]
+        elif array.shape[1:] != shape:
+            raise RolloutInputError(
+                f"trajectory {index}: field '{ROUTED_EXPERTS}' has [layers, top_k] = {list(array.shape[1:])}, "
+                f"trajectory 0 has {list(shape)}"
+            )
+    layers, top_k = shape if shape is not None else (0, 0)
+    return {
+        routed_experts_field(layer, slot): tuple(np.ascontiguousarray(a[:, layer, slot], dtype=np.int64) for a in arrays)
+        for layer in range(layers)
+        for slot in range(top_k)
+    }
 
 
 def token_id_array(values: Any, where: str) -> np.ndarray:
@@ -83,17 +133,30 @@ class RolloutBatch:
     tree_ids: np.ndarray | None = None
 
     @classmethod
-    def from_trajectories(cls, token_lists: Sequence[Sequence[int]], tree_ids: Sequence[int] | None = None, **fields: Any) -> "RolloutBatch":
+    def from_trajectories(
+        cls,
+        token_lists: Sequence[Sequence[int]],
+        tree_ids: Sequence[int] | None = None,
+        routed_experts: Sequence[Any] | None = None,
+        **fields: Any,
+    ) -> "RolloutBatch":
         """Build a batch from token lists; each keyword is a per-token or per-trajectory field.
 
         A field whose entries are sequences is per-token and must match each trajectory's
-        length; a field whose entries are scalars is per-trajectory.
+        length; a field whose entries are scalars is per-trajectory. ``routed_experts`` is
+        one integer array ``[len, layers, top_k]`` per trajectory (router replay; see the
+        module docstring).
         """
         if isinstance(token_lists, (str, bytes)) or not isinstance(token_lists, (Sequence, np.ndarray)):
             raise RolloutInputError("field 'tokens': expected a list of token lists, one per trajectory")
         if len(token_lists) == 0:
             raise RolloutInputError("field 'tokens': the batch holds no trajectories")
         tokens = tuple(_as_token_array(values, index) for index, values in enumerate(token_lists))
+        if routed_experts is not None:
+            clash = sorted(name for name in fields if name.startswith(ROUTED_EXPERTS + "."))
+            if clash:
+                raise RolloutInputError(f"field '{clash[0]}': give routed experts either as routed_experts= or as fields, not both")
+            fields = {**fields, **_routed_experts_fields(routed_experts, len(tokens))}
         token_fields: dict[str, tuple[np.ndarray, ...]] = {}
         trajectory_fields: dict[str, np.ndarray] = {}
         for name, value in fields.items():
@@ -175,6 +238,33 @@ class RolloutBatch:
     @property
     def loss_mask(self) -> tuple[np.ndarray, ...]:
         return self.token_fields["loss_mask"]
+
+    @functools.cached_property
+    def routed_experts(self) -> tuple[np.ndarray, ...] | None:
+        """Per trajectory the replayed expert ids ``[len, layers, top_k]`` (int64), or None when absent."""
+        keys = {}
+        for name in self.token_fields:
+            key = _routed_experts_key(name)
+            if key is not None:
+                keys[key] = name
+        if not keys:
+            return None
+        layers = 1 + max(layer for layer, _ in keys)
+        top_k = 1 + max(slot for _, slot in keys)
+        missing = [routed_experts_field(l, k) for l in range(layers) for k in range(top_k) if (l, k) not in keys]
+        if missing:
+            raise RolloutInputError(
+                f"field '{missing[0]}' is missing: routed experts need every field {ROUTED_EXPERTS}.<layer>.<slot> "
+                f"for layers 0..{layers - 1} and slots 0..{top_k - 1}"
+            )
+        out = []
+        for index in range(len(self.tokens)):
+            columns = [self.token_fields[keys[l, k]][index] for l in range(layers) for k in range(top_k)]
+            array = np.stack(columns, axis=-1) if columns else np.zeros((len(self.tokens[index]), 0), dtype=np.int64)
+            if array.dtype.kind not in "iu":
+                raise RolloutInputError(f"trajectory {index}: field '{keys[0, 0]}' holds {array.dtype} values, not expert ids")
+            out.append(array.astype(np.int64, copy=False).reshape(len(self.tokens[index]), layers, top_k))
+        return tuple(out)
 
     def token_keys(self) -> list[bytes]:
         """Big-endian uint32 encodings: bytes order equals token-lexicographic order, prefixes sort first."""

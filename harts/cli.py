@@ -1,4 +1,4 @@
-"""The ``harts`` command line: compile, inspect, run the demo step, benchmark."""
+"""The ``harts`` command line: compile, inspect (and plot), convert framework batches, run the demo step, benchmark."""
 
 from __future__ import annotations
 
@@ -96,10 +96,20 @@ def inspect_command(
     plan_path: Path = typer.Argument(..., help="Plan artifact written by `harts compile`."),
     as_json: bool = typer.Option(False, "--json", help="Print the full inspect document as JSON."),
     ir: bool = typer.Option(False, "--ir", help="Print the plan's IR text."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write PNG figures of the plan into DIR (replica x slot work, a segment tree, histograms)."),
+    microbatch: Optional[int] = typer.Option(None, "--microbatch", help="Microbatch whose segment tree --plot draws (default: the one with the most rounds)."),
 ) -> None:
     """Show a plan: statistics, microbatches and rounds."""
     try:
         plan = harts.load_plan(plan_path)
+        if plot is not None:
+            from harts.viz import write_plots
+
+            with console.status(f"plotting into {plot}"):
+                paths = write_plots(plan, plot, microbatch=microbatch)
+            for path in paths:
+                console.print(f"wrote {path}")
+            return
     except HartsError as error:
         _fail(error)
     if as_json:
@@ -118,6 +128,51 @@ def inspect_command(
             _format(None if mb.rounds is None else len(mb.rounds)), _format(mb.replay_tokens),
         )
     Console().print(table)
+
+
+def _is_node_table(path: Path) -> bool:
+    """True for a node table HARTS wrote (its schema record / metadata), the only existing file convert replaces."""
+    try:
+        if path.suffix == ".jsonl":
+            with path.open(encoding="utf-8") as handle:
+                return json.loads(handle.readline() or "null").get("kind") == "schema"
+        import pyarrow.parquet as pq
+
+        from harts.io import PARQUET_SCHEMA_KEY
+
+        return PARQUET_SCHEMA_KEY in (pq.read_schema(path).metadata or {})
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+@app.command("convert")
+def convert_command(
+    input: Path = typer.Argument(..., help="Saved framework batch: .pt (dict of tensors), .parquet or .jsonl (one row per trajectory)."),
+    framework: str = typer.Option(..., "--from", help="The framework that wrote it: verl, trl or areal."),
+    output: Path = typer.Option(..., "--output", "-o", help="Node table to write (.jsonl or .parquet)."),
+    ignore: Optional[list[str]] = typer.Option(None, "--ignore", help="Batch key to leave out (repeatable)."),
+) -> None:
+    """Convert an RL framework's saved batch into a HARTS node table (trees recovered by token prefixes)."""
+    from harts.interop import read_framework_batch
+
+    try:
+        if output.exists() and output.resolve() == input.resolve():
+            raise HartsError(f"{output}: the output is the input file; choose another path")
+        if output.exists() and not _is_node_table(output):
+            raise HartsError(f"{output} exists and is not a HARTS node table; it was left untouched: choose another path")
+        with console.status(f"reading {input}"):
+            batch = read_framework_batch(input, framework, ignore=tuple(ignore or ()))
+        batch.write(output)
+    except HartsError as error:
+        _fail(error)
+    except (OSError, ValueError) as error:
+        _fail(HartsError(f"{output}: {error}"))
+    fields = ", ".join(sorted(batch.token_fields)) or "-"
+    print_stats(
+        {"trajectories": len(batch), "trees": len(set(batch.tree_ids.tolist())), "semantic_tokens": batch.semantic_tokens,
+         "per-token fields": fields, "per-trajectory fields": ", ".join(sorted(batch.trajectory_fields)) or "-"},
+        title=f"{framework} batch written to {output}",
+    )
 
 
 @app.command("passes")

@@ -32,7 +32,14 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["atomic_write_bytes", "atomic_write_with", "replace_directory", "remove_stale_temporaries", "temporary_prefix"]
+__all__ = [
+    "atomic_write_bytes",
+    "atomic_write_with",
+    "foreign_entries",
+    "replace_directory",
+    "remove_stale_temporaries",
+    "temporary_prefix",
+]
 
 _TEMPORARY_TAG = ".harts-tmp-"
 
@@ -148,6 +155,23 @@ def _exchange(first: Path, second: Path) -> bool:
     if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
         return False
     raise OSError(code, os.strerror(code), str(second))
+
+
+def foreign_entries(path: Path, allowed: frozenset[str] | set[str], what: str) -> tuple[str | None, list[str]]:
+    """First check of an ``is_ours`` test: (reason ``path`` is not ours, or None; the names it holds).
+
+    A symlink or a non-directory is not ours; a directory holding names outside ``allowed`` is
+    not ``what`` (the reason lists them); an empty directory is ours. The caller inspects the
+    allowed files it finds.
+    """
+    if path.is_symlink() or not path.is_dir():
+        return "it is not a directory", []
+    names = sorted(entry.name for entry in path.iterdir())
+    foreign = [name for name in names if name not in allowed]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        return f"it holds files that are not part of {what} ({shown})", names
+    return None, names
 
 
 def replace_directory(path: str | os.PathLike, files: dict[str, bytes], is_ours: Callable[[Path], bool]) -> Path:

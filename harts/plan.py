@@ -27,7 +27,7 @@ import attrs
 import numpy as np
 
 from harts.errors import HartsError, PlanArtifactError
-from harts.fsio import atomic_write_bytes, replace_directory
+from harts.fsio import atomic_write_bytes, foreign_entries, replace_directory
 from harts.ir.nodes import Module, Phase
 from harts.ir.text import parse_ir, print_ir
 from harts.ir.verify import verify
@@ -261,15 +261,9 @@ _ARTIFACT_FILES = frozenset({_MANIFEST, _IR, _TENSORS})
 
 def _why_not_a_plan_directory(path: Path) -> str | None:
     """None for a directory that holds a HARTS plan and nothing else (or is empty), else the reason."""
-    if path.is_symlink() or not path.is_dir():
-        return "it is not a directory"
-    names = sorted(entry.name for entry in path.iterdir())
-    if not names:
-        return None
-    foreign = [name for name in names if name not in _ARTIFACT_FILES]
-    if foreign:
-        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
-        return f"it holds files that are not part of a plan ({shown})"
+    why, names = foreign_entries(path, _ARTIFACT_FILES, "a plan")
+    if why is not None or not names:
+        return why
     try:
         manifest = json.loads((path / _MANIFEST).read_text(encoding="utf-8"))
     except FileNotFoundError:

@@ -39,7 +39,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from harts.errors import IRVerificationError, PlanArtifactError
+from harts.errors import IRVerificationError, PlanArtifactError, RolloutInputError
 from harts.ir.nodes import Microbatch, Module, Phase
 
 logger = logging.getLogger(__name__)
@@ -216,6 +216,35 @@ class MicrobatchLayout:
         """Rows of the replay positions ``[replay_start, start)`` of a sequence (ancestors' rows)."""
         ancestors = self.ancestor_rows_of(sequence)
         return ancestors[int(self.seq_replay_start[sequence]) :]
+
+    def gather_rows(self, per_trajectory, field: str) -> np.ndarray:
+        """Per-token values (one array ``[len, ...]`` per batch trajectory) on the compact rows: ``[C, ...]``.
+
+        Every member trajectory through a row must carry the same value there; otherwise the
+        row has no single value and :class:`~harts.errors.RolloutInputError` names both
+        trajectories, the position and ``field``.
+        """
+        members = [int(t) for t in self.trajectories]
+        values = np.concatenate([np.asarray(per_trajectory[t]) for t in members])
+        if values.shape[0] != self.semantic_tokens:
+            raise RolloutInputError(f"field '{field}': {values.shape[0]} values for the {self.semantic_tokens} tokens of microbatch {self.microbatch}")
+        rows = self.trajectory_rows
+        _, first = np.unique(rows, return_index=True)  # rows are 0..C-1, each reached by some member
+        gathered = values[first]
+        differs = gathered[rows] != values
+        if differs.ndim > 1:
+            differs = differs.reshape(len(rows), -1).any(axis=1)
+        if differs.any():
+            semantic = int(np.flatnonzero(differs)[0])
+            row = int(rows[semantic])
+            owner = np.searchsorted(self.trajectory_offsets, [first[row], semantic], side="right") - 1
+            position = int(semantic - self.trajectory_offsets[owner[1]])
+            raise RolloutInputError(
+                f"field '{field}': trajectories {members[owner[0]]} and {members[owner[1]]} share the token at position "
+                f"{position} (one compact row) but give it different values ({gathered[row].tolist()} vs "
+                f"{values[semantic].tolist()}); a shared row is computed once and can carry only one"
+            )
+        return gathered
 
     def input_ids(self, tokens) -> np.ndarray:
         """Token id of every row, from the batch's token arrays (a sequence indexed by trajectory)."""

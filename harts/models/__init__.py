@@ -2,10 +2,12 @@
 
     model = harts.models.from_hf(hf_model)                  # same math, same weights
     state = harts.models.to_hf_state_dict(model)            # back to the transformers layout
+    harts.models.save_pretrained(model, "ckpt/")            # a directory AutoModelForCausalLM loads
 
 transformers is imported only when a path is loaded or a transformers config is built.
 """
 
+from harts.models.checkpoint import save_pretrained
 from harts.models.hf import (
     ARCHITECTURES,
     HFModelError,
@@ -24,6 +26,7 @@ __all__ = [
     "from_hf",
     "hf_key_map",
     "hybrid_config_from_hf",
+    "save_pretrained",
     "to_hf_config",
     "to_hf_state_dict",
 ]

@@ -100,11 +100,14 @@ class HFSource:
 
     ``dtypes`` maps transformers state-dict keys to their dtypes, so that
     :func:`to_hf_state_dict` returns tensors of the original dtypes where HARTS keeps a
-    tensor in a wider one (routers, decay biases).
+    tensor in a wider one (routers, decay biases). ``config`` is the transformers config as
+    a dict, so that :func:`harts.models.save_pretrained` keeps what HARTS does not model
+    (token ids, ``max_position_embeddings``, ...).
     """
 
     architecture: str
     dtypes: Mapping[str, torch.dtype] = attrs.field(factory=dict)
+    config: Mapping[str, Any] = attrs.field(factory=dict)
 
 
 # --------------------------------------------------------------------------- config mapping
@@ -473,7 +476,7 @@ def _from_config(hf_config: Any, *, chunk_size: int, dtype: Any) -> HybridModel:
         if pad is not None:
             model.embed_tokens.weight[pad].zero_()
     model.embed_tokens.padding_idx = pad
-    model.hf_source = HFSource(_model_type(hf_config))
+    model.hf_source = HFSource(_model_type(hf_config), config=hf_config.to_dict())
     return model
 
 
@@ -538,7 +541,7 @@ def _from_model(hf_model: nn.Module, *, chunk_size: int) -> HybridModel:
     with torch.no_grad():
         model.load_state_dict(mapped, strict=True)
     model.embed_tokens.padding_idx = hf_model.get_input_embeddings().padding_idx
-    model.hf_source = HFSource(model_type, {key: tensor.dtype for key, tensor in hf_state.items()})
+    model.hf_source = HFSource(model_type, {key: tensor.dtype for key, tensor in hf_state.items()}, hf_config.to_dict())
     model.train(hf_model.training)
     return model
 

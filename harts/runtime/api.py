@@ -6,6 +6,11 @@ maps them to semantic positions; ``log_probs_baseline(model, batch)`` expands ev
 trajectory and runs it as its own packed sequence (:class:`~harts.runtime.view.BaselineView`)
 through the same model and kernels. Both return a :class:`LogProbOutput` in the user's
 trajectory order: ``out.log_probs[i][t] = log p(tokens_i[t+1] | tokens_i[:t+1])``.
+
+Router replay: when the batch carries ``routed_experts`` (:attr:`harts.RolloutBatch.routed_experts`),
+every MoE layer uses those experts instead of its own top-k, once per compact row for a plan
+(the trajectories through a row must agree, else :class:`~harts.errors.RolloutInputError`
+names both) and once per position for the baseline.
 """
 
 from __future__ import annotations
@@ -101,6 +106,36 @@ def _check_plan_matches(module: Module, batch) -> None:
         )
 
 
+def _check_routed_experts(model: nn.Module, batch, trajectories) -> tuple[np.ndarray, ...] | None:
+    """The batch's replayed experts (``[len, L_moe, k]`` per trajectory), checked against the model; None when absent."""
+    routed = batch.routed_experts
+    if routed is None:
+        return None
+    config = model.config
+    expected = (config.num_moe_layers, config.num_experts_per_tok)
+    for trajectory in sorted(trajectories):
+        experts = routed[trajectory]
+        if experts.shape[1:] != expected:
+            raise RolloutInputError(
+                f"trajectory {trajectory}: field 'routed_experts' has [layers, top_k] = {list(experts.shape[1:])}, "
+                f"the model has {expected[0]} MoE layer(s) with top_k {expected[1]}"
+            )
+        if experts.size == 0:
+            continue
+        bad = (experts < 0) | (experts >= config.num_experts)
+        ordered = np.sort(experts, axis=-1)
+        repeated = np.zeros_like(bad)
+        repeated[..., 1:] = ordered[..., 1:] == ordered[..., :-1]
+        for problem, what in ((bad, f"outside [0, {config.num_experts})"), (repeated, "repeated in one token's top-k")):
+            if problem.any():
+                position, layer, _ = (int(v) for v in np.argwhere(problem)[0])
+                raise RolloutInputError(
+                    f"trajectory {trajectory}: field 'routed_experts' at position {position}, MoE layer {layer}: "
+                    f"experts {experts[position, layer].tolist()} hold an id {what}"
+                )
+    return routed
+
+
 def _has_linear_head(model: nn.Module) -> bool:
     """True when logits are exactly ``lm_head(hidden)`` with an ``nn.Linear`` head."""
     from harts.runtime.model import HybridModel
@@ -152,7 +187,11 @@ def microbatch_log_probs(
     device = next(model.parameters()).device
     view = view_type(layout, device=device, kernels=kernels)
     input_ids = view.input_ids(batch.tokens)
-    hidden, moe = model.forward_hidden(input_ids, view, recompute=recompute)
+    routed = _check_routed_experts(model, batch, layout.trajectories)
+    if routed is not None:
+        # one decision per compact row: every trajectory through a row must replay the same experts
+        routed = torch.as_tensor(layout.gather_rows(routed, "routed_experts"), device=device)
+    hidden, moe = model.forward_hidden(input_ids, view, recompute=recompute, routed_experts=routed)
     rows, next_rows, offsets = log_prob_rows(layout)
     if _has_linear_head(model):
         head = model.lm_head
@@ -282,7 +321,10 @@ def log_probs_baseline(
         lengths = [len(batch.tokens[i]) for i in members]
         view = BaselineView(lengths, chunk, device, kernels=kernels)
         input_ids = torch.as_tensor(np.concatenate([batch.tokens[i] for i in members]), dtype=torch.long, device=device)
-        hidden, moe = model.forward_hidden(input_ids, view, recompute=recompute)
+        routed = _check_routed_experts(model, batch, members)
+        if routed is not None:
+            routed = torch.as_tensor(np.concatenate([routed[i] for i in members]), device=device)
+        hidden, moe = model.forward_hidden(input_ids, view, recompute=recompute, routed_experts=routed)
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         rows = np.concatenate([s + np.arange(n - 1) for s, n in zip(starts, lengths)]).astype(np.int64)
         offsets = np.zeros(len(members) + 1, dtype=np.int64)

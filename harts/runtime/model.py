@@ -7,7 +7,9 @@ that tells the sequence operators how rows relate. Per block (pre-norm)::
     x = x + mixer(input_layernorm(x), view)        # KDA / GDN / MHA / GQA / MLA
     x = x + mlp(post_attention_layernorm(x))       # dense SwiGLU or MoE (weighted by view.row_weight)
 
-then ``hidden = norm(x)`` and ``logits = lm_head(hidden)``. ``recompute=True`` wraps each block
+then ``hidden = norm(x)`` and ``logits = lm_head(hidden)``. ``routed_experts`` [C, L_moe, k]
+(router replay) gives every MoE layer the experts of each row, layer ``i`` of it for the
+``i``-th MoE layer of the model. ``recompute=True`` wraps each block
 in non-reentrant activation checkpointing, so backward re-executes the block from the same
 view. Module names follow the HF models (``embed_tokens``, ``layers.i.{linear_attn|self_attn}``,
 ``layers.i.mlp``, ``layers.i.input_layernorm``, ``norm``, ``lm_head``).
@@ -44,6 +46,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: HybridConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
+        #: Index of this block among the MoE blocks (router replay reads that layer), else None.
+        self.moe_index = config.mlp_layer_types[:layer_idx].count("moe") if config.mlp_layer_types[layer_idx] == "moe" else None
         self.layer_type = config.layer_types[layer_idx]
         self.mlp_type = config.mlp_layer_types[layer_idx]
         if self.layer_type == "linear":
@@ -63,12 +67,13 @@ class DecoderLayer(nn.Module):
     def mixer(self) -> nn.Module:
         return self.linear_attn if self.layer_type == "linear" else self.self_attn
 
-    def forward(self, x: torch.Tensor, view: ExecutionView):
-        """x [C, D] -> (x [C, D], MoE statistics tuple or None)."""
+    def forward(self, x: torch.Tensor, view: ExecutionView, routed_experts: torch.Tensor | None = None):
+        """x [C, D], routed_experts [C, L_moe, k] or None -> (x [C, D], MoE statistics tuple or None)."""
         x = x + self.mixer(self.input_layernorm(x), view)
         normed = self.post_attention_layernorm(x)
         if self.mlp_type == "moe":
-            update, stats = self.mlp(normed, view.row_weight)
+            routed = None if routed_experts is None else routed_experts[:, self.moe_index]
+            update, stats = self.mlp(normed, view.row_weight, routed)
         else:
             update, stats = self.mlp(normed), None
         return x + update, stats
@@ -134,9 +139,14 @@ class HybridModel(nn.Module):
         return self.embed_tokens(input_ids)
 
     def forward_hidden(
-        self, input_ids: torch.Tensor, view: ExecutionView, *, recompute: bool = False
+        self,
+        input_ids: torch.Tensor,
+        view: ExecutionView,
+        *,
+        recompute: bool = False,
+        routed_experts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, MoEStats]:
-        """input_ids [C] -> (hidden [C, D] after the final norm, MoE statistics weighted by view.row_weight)."""
+        """input_ids [C], routed_experts [C, L_moe, k] or None -> (hidden [C, D] after the final norm, MoE statistics weighted by view.row_weight)."""
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids must be 1-D [C], got shape {tuple(input_ids.shape)}")
         if input_ids.shape[0] != view.num_rows:
@@ -146,13 +156,19 @@ class HybridModel(nn.Module):
                 f"input_ids must lie in [0, {self.config.vocab_size}); got range "
                 f"[{int(input_ids.min())}, {int(input_ids.max())}]"
             )
+        if routed_experts is not None:
+            expected = (input_ids.shape[0], self.config.num_moe_layers, self.config.num_experts_per_tok)
+            if tuple(routed_experts.shape) != expected:
+                raise ValueError(
+                    f"routed_experts must have shape [rows, MoE layers, top_k] = {list(expected)}, got {list(routed_experts.shape)}"
+                )
         x = self.embed(input_ids)
         per_layer = []
         for layer in self.layers:
             if recompute and torch.is_grad_enabled():
-                x, stats = checkpoint(layer, x, view, use_reentrant=False)
+                x, stats = checkpoint(layer, x, view, routed_experts, use_reentrant=False)
             else:
-                x, stats = layer(x, view)
+                x, stats = layer(x, view, routed_experts)
             if stats is not None:
                 per_layer.append(stats)
         routed_rows = view.num_rows if per_layer else 0
@@ -166,8 +182,13 @@ class HybridModel(nn.Module):
         return self.lm_head(hidden)
 
     def forward(
-        self, input_ids: torch.Tensor, view: ExecutionView, *, recompute: bool = False
+        self,
+        input_ids: torch.Tensor,
+        view: ExecutionView,
+        *,
+        recompute: bool = False,
+        routed_experts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, MoEStats]:
-        """input_ids [C] -> (logits [C, V], MoE statistics)."""
-        hidden, aux = self.forward_hidden(input_ids, view, recompute=recompute)
+        """input_ids [C] -> (logits [C, V], MoE statistics); ``routed_experts`` as in :meth:`forward_hidden`."""
+        hidden, aux = self.forward_hidden(input_ids, view, recompute=recompute, routed_experts=routed_experts)
         return self.logits(hidden), aux

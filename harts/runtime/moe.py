@@ -9,6 +9,12 @@ Routing (deterministic top-k, no token drop; one decision per compact row):
   experts of the ``topk_group`` groups with the largest top-2 sums compete; weights = the picked
   s, renormalised (+1e-20) if ``norm_topk_prob``, times ``routed_scaling_factor``.
 
+Router replay (``routed`` [C, k] expert ids, e.g. what the inference engine chose): the given
+experts replace the row's own selection (bias and groups play no part in choosing), and their
+weights are still the router's: the picked p (softmax) or s (sigmoid) gathered at the given
+experts, renormalised and scaled exactly as above, as Megatron's router replay does. Statistics
+count the replayed assignments.
+
 Output ``y = sum_{e in topk} w_e * E_e(x) [+ sigmoid(x W_g) *] S(x)`` with SwiGLU experts E_e
 stored as HF 3-D tensors (``gate_up_proj`` [E, 2I, D], ``down_proj`` [E, D, I]) and an optional
 shared expert S, gated by ``shared_expert_gate`` in Qwen3-Next and ungated in Kimi Linear.
@@ -172,34 +178,54 @@ class TopKRouter(nn.Module):
         else:
             self.e_score_correction_bias = None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [C, D] -> logits [C, E], probs [C, E] (for statistics), weights [C, k], indices [C, k]."""
+    def forward(
+        self, x: torch.Tensor, routed: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [C, D], routed [C, k] replayed expert ids or None -> logits [C, E], probs [C, E] (for statistics), weights [C, k], indices [C, k]."""
         cd = compute_dtype(x.dtype)
         logits = F.linear(x.to(cd), self.weight.to(cd))
         if self.kind == "softmax":
             probs = torch.softmax(logits, dim=-1)
-            top_values, indices = torch.topk(probs, self.top_k, dim=-1)
-            if self.norm_topk_prob:
-                top_values = top_values / top_values.sum(dim=-1, keepdim=True)
+            scores = probs
         else:
             scores = torch.sigmoid(logits)
             probs = scores / scores.sum(dim=-1, keepdim=True)
-            choice = scores.detach()
-            if self.e_score_correction_bias is not None:
-                choice = choice + self.e_score_correction_bias.to(cd)
-            if self.n_group > 1:
-                grouped = choice.view(choice.shape[0], self.n_group, self.num_experts // self.n_group)
-                group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [C, n_group]
-                chosen_groups = torch.topk(group_scores, self.topk_group, dim=-1).indices
-                group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen_groups, True)
-                expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(choice.shape[0], self.num_experts)
-                choice = choice.masked_fill(~expert_mask, float("-inf"))
-            indices = torch.topk(choice, self.top_k, dim=-1).indices
-            top_values = scores.gather(1, indices)
-            if self.norm_topk_prob:
-                top_values = top_values / (top_values.sum(dim=-1, keepdim=True) + 1e-20)
+        if routed is None:
+            indices = self._select(scores.detach(), cd)
+        else:
+            self._check_routed(routed, x.shape[0])
+            indices = routed.to(device=logits.device, dtype=torch.long)
+        top_values = scores.gather(1, indices)
+        if self.norm_topk_prob:
+            total = top_values.sum(dim=-1, keepdim=True)
+            top_values = top_values / (total if self.kind == "softmax" else total + 1e-20)
         weights = top_values * self.routed_scaling_factor
         return logits, probs, weights, indices
+
+    def _select(self, scores: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
+        """The row's own top-k experts [C, k] (softmax: by p; sigmoid: by s + bias, within the chosen groups)."""
+        if self.kind == "softmax":
+            return torch.topk(scores, self.top_k, dim=-1).indices
+        choice = scores
+        if self.e_score_correction_bias is not None:
+            choice = choice + self.e_score_correction_bias.to(cd)
+        if self.n_group > 1:
+            grouped = choice.view(choice.shape[0], self.n_group, self.num_experts // self.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [C, n_group]
+            chosen_groups = torch.topk(group_scores, self.topk_group, dim=-1).indices
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen_groups, True)
+            expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(choice.shape[0], self.num_experts)
+            choice = choice.masked_fill(~expert_mask, float("-inf"))
+        return torch.topk(choice, self.top_k, dim=-1).indices
+
+    def _check_routed(self, routed: torch.Tensor, rows: int) -> None:
+        if routed.shape != (rows, self.top_k) or routed.dtype.is_floating_point:
+            raise ValueError(
+                f"routed experts must be integer ids of shape [{rows}, {self.top_k}] (rows, top_k); "
+                f"got {routed.dtype} of shape {tuple(routed.shape)}"
+            )
+        if routed.numel() and (int(routed.min()) < 0 or int(routed.max()) >= self.num_experts):
+            raise ValueError(f"routed expert ids must lie in [0, {self.num_experts}); got [{int(routed.min())}, {int(routed.max())}]")
 
 
 class Experts(nn.Module):
@@ -234,10 +260,10 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if config.shared_expert_gate else None
 
     def forward(
-        self, x: torch.Tensor, row_weight: torch.Tensor
+        self, x: torch.Tensor, row_weight: torch.Tensor, routed: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """x [C, D], row_weight [C] -> (y [C, D], (z_loss_sum, prob_mass [E], assign_count [E], tokens))."""
-        logits, probs, weights, indices = self.gate(x)
+        """x [C, D], row_weight [C], routed [C, k] or None -> (y [C, D], (z_loss_sum, prob_mass [E], assign_count [E], tokens))."""
+        logits, probs, weights, indices = self.gate(x, routed)
         y = self.experts(x, indices, weights.to(x.dtype))
         if self.shared_expert is not None:
             shared = self.shared_expert(x)

@@ -1,0 +1,426 @@
+"""RL frameworks' batch dicts as :class:`harts.RolloutBatch` es.
+
+Each importer strips padding by the framework's masks, keeps every per-token tensor token
+aligned (entry ``t`` belongs to ``tokens[t]``, the HARTS convention; prompt positions of
+response-only tensors hold 0) and records the prompt/response boundary as the per-trajectory
+field ``prompt_length``. Trees are recovered from the token lists by exact prefix matching
+(:meth:`RolloutBatch.from_trajectories`), so the rollouts of one prompt, or the turns of one
+agent episode, share their rows in a compiled plan.
+
+Field names follow :mod:`harts.rl`: ``loss_mask`` (1 on tokens the policy generated: 0 on
+prompt, tool / observation and padding tokens), ``advantages``, ``old_log_probs``,
+``ref_log_probs``; the inference engine's log-probs become ``rollout_logprobs`` (as the
+``logprobs`` column of a node table). Other tensors keep their names. Values come as torch
+tensors, numpy arrays or lists; 0-d entries (batch-level counts such as TRL's
+``num_items_in_batch``) are not per trajectory and are left out (logged). ``routed_experts``
+(``[B, S, layers, top_k]`` over the full sequence, as verl's router replay records them)
+becomes the batch's routed experts (:attr:`RolloutBatch.routed_experts`).
+
+verl (``DataProto.batch``; ``verl/experimental/agent_loop``, ``verl/workers/actor/dp_actor.py``):
+    ``input_ids`` / ``attention_mask`` / ``position_ids`` ``[B, P + R]``: the left-padded prompt
+    then the right-padded response; ``responses`` ``[B, R]``; ``response_mask`` ``[B, R]`` (1 for
+    LLM tokens, 0 for tool observations and padding; older multi-turn verl calls it
+    ``loss_mask``); ``old_log_probs``, ``ref_log_prob``, ``rollout_log_probs``, ``advantages``,
+    ``returns``, ... ``[B, R]`` label-aligned with ``responses``; ``[B]`` entries (``uid``, scores)
+    are per trajectory.
+TRL (``GRPOTrainer._generate_and_score_completions``):
+    ``prompt_ids`` / ``prompt_mask`` ``[B, P]`` left-padded, ``completion_ids`` /
+    ``completion_mask`` ``[B, C]`` right-padded (the mask ends at the first EOS), ``tool_mask``
+    ``[B, C]`` (0 on tool tokens), ``advantages`` ``[B]`` (or ``[B, C]``), ``old_per_token_logps``,
+    ``ref_per_token_logps``, ``sampling_per_token_logps`` ``[B, C]``.
+AReaL (workflow output, ``areal/engine/ppo/actor.py``, ``areal/utils/data.py``):
+    padded ``input_ids`` / ``attention_mask`` (right-padded) ``[B, S]``, or packed 1-D
+    ``input_ids`` with ``cu_seqlens`` ``[B + 1]``, or one unpadded row per trajectory;
+    ``loss_mask``, ``logprobs`` (``[0.0] * input_len + output_logprobs``), ``versions`` token
+    aligned; ``prox_logp`` and ``ref_logp`` (engine outputs, gathered at ``roll(input_ids, -1)``)
+    next-token aligned; ``rewards`` ``[B]``. After ``PPOActor.compute_advantages`` the batch
+    also holds ``advantages`` and has ``loss_mask`` / ``logprobs`` rolled by -1: pass
+    ``after_advantages=True`` (it is detected from a per-token ``advantages`` by default).
+    The prompt length is the position of the first ``loss_mask`` token.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from harts.batch import ROUTED_EXPERTS, RolloutBatch
+from harts.errors import RolloutInputError
+from harts.interop.layouts import PROMPT_LENGTH
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["from_areal", "from_trl", "from_verl"]
+
+ROLLOUT_LOGPROBS = "rollout_logprobs"
+
+
+def _array(value: Any, where: str) -> np.ndarray:
+    """A numpy view of a tensor, array or (nested) list; ragged rows stay an object array of rows."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        if getattr(value, "is_nested", False):
+            return np.array([np.asarray(v.detach().cpu()) for v in value.unbind()] + [None], dtype=object)[:-1]
+        value = value.detach().cpu()
+        if str(value.dtype) == "torch.bfloat16":
+            value = value.float()
+        return value.numpy()
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, (list, tuple)):
+        try:
+            array = np.asarray(value)
+        except ValueError:
+            array = None
+        if array is not None and array.dtype != object:
+            return array
+        rows = [np.asarray(row) for row in value]
+        return np.array(rows + [None], dtype=object)[:-1]
+    if np.isscalar(value):
+        return np.asarray(value)
+    raise RolloutInputError(f"{where}: unsupported value of type {type(value).__name__}")
+
+
+def _columns(d: Mapping[str, Any], framework: str, ignore: Iterable[str]) -> dict[str, np.ndarray]:
+    if not isinstance(d, Mapping):
+        raise RolloutInputError(f"{framework} batch: expected a dict of tensors, got {type(d).__name__}")
+    skipped = set(ignore)
+    out = {}
+    for key, value in d.items():
+        if key in skipped or value is None:
+            continue
+        array = _array(value, f"{framework} batch, key '{key}'")
+        if array.ndim == 0:
+            logger.info("%s batch: key '%s' is a batch-level scalar, not per trajectory; left out", framework, key)
+            continue
+        out[key] = array
+    return out
+
+
+def _require(columns: Mapping[str, np.ndarray], key: str, framework: str) -> np.ndarray:
+    if key not in columns:
+        raise RolloutInputError(f"{framework} batch: missing required key '{key}' (keys: {sorted(columns)})")
+    return columns[key]
+
+
+def _check_shape(array: np.ndarray, shape: tuple[int, ...], key: str, framework: str) -> None:
+    if array.shape[: len(shape)] != shape:
+        raise RolloutInputError(f"{framework} batch, key '{key}': shape {list(array.shape)}, expected {list(shape)}")
+
+
+def _run(mask_row: np.ndarray, *, left: bool, where: str) -> int:
+    """Length of the valid run of a padded row: a suffix (left padding) or a prefix (right padding)."""
+    valid = mask_row.astype(bool)
+    count = int(valid.sum())
+    width = len(valid)
+    expected = np.arange(width) >= width - count if left else np.arange(width) < count
+    if not np.array_equal(valid, expected):
+        column = int(np.flatnonzero(valid != expected)[0])
+        side = "left" if left else "right"
+        raise RolloutInputError(f"{where} is not {side}-padded: a gap at column {column}")
+    return count
+
+
+class _Rows:
+    """Trajectories collected row by row: tokens, token-aligned fields, per-trajectory fields."""
+
+    def __init__(self, framework: str):
+        self.framework = framework
+        self.tokens: list[np.ndarray] = []
+        self.prompt_lengths: list[int] = []
+        self.token_fields: dict[str, list[np.ndarray]] = {}
+        self.trajectory_fields: dict[str, np.ndarray] = {}
+        self.routed: list[np.ndarray] | None = None
+
+    def add(self, tokens: np.ndarray, prompt_length: int, fields: Mapping[str, np.ndarray], routed: np.ndarray | None):
+        row = len(self.tokens)
+        if tokens.size == 0:
+            raise RolloutInputError(f"{self.framework} batch: row {row} holds no tokens after removing padding")
+        self.tokens.append(np.asarray(tokens, dtype=np.int64))
+        self.prompt_lengths.append(int(prompt_length))
+        for name, values in fields.items():
+            self.token_fields.setdefault(name, []).append(values)
+        if routed is not None:
+            if self.routed is None:
+                self.routed = []
+            self.routed.append(np.asarray(routed, dtype=np.int64))
+
+    def batch(self) -> RolloutBatch:
+        if PROMPT_LENGTH in self.token_fields or PROMPT_LENGTH in self.trajectory_fields:
+            raise RolloutInputError(
+                f"{self.framework} batch: key '{PROMPT_LENGTH}' is the field the importer writes the prompt lengths to; "
+                "rename it or pass ignore=[...]"
+            )
+        return RolloutBatch.from_trajectories(
+            self.tokens,
+            routed_experts=self.routed,
+            **{PROMPT_LENGTH: np.asarray(self.prompt_lengths, dtype=np.int64)},
+            **self.token_fields,
+            **self.trajectory_fields,
+        )
+
+
+def _token_ids(array: np.ndarray, key: str, framework: str) -> np.ndarray:
+    if array.dtype.kind not in "iu":
+        raise RolloutInputError(f"{framework} batch, key '{key}': token ids must be integers, got {array.dtype}")
+    return array
+
+
+def _per_trajectory(columns: Mapping[str, np.ndarray], used: set[str], count: int, framework: str, rows: _Rows) -> set[str]:
+    """Move the [B] entries into per-trajectory fields; return their keys."""
+    taken = set()
+    for key, array in columns.items():
+        if key in used or array.ndim != 1 or array.dtype == object:
+            continue
+        if array.shape[0] != count:
+            raise RolloutInputError(f"{framework} batch, key '{key}': {array.shape[0]} entries for {count} rows")
+        rows.trajectory_fields[key] = array.astype(str) if array.dtype.kind in "OSU" else array
+        taken.add(key)
+    for key, array in columns.items():
+        if key not in used and key not in taken and array.dtype == object and array.ndim == 1 and len(array) == count:
+            if all(isinstance(v, (str, bytes)) for v in array):
+                rows.trajectory_fields[key] = array.astype(str)
+                taken.add(key)
+    return taken
+
+
+def _unplaced(columns: Mapping[str, np.ndarray], placed: set[str], framework: str) -> None:
+    left = sorted(set(columns) - placed)
+    if left:
+        shapes = ", ".join(f"'{k}' {list(columns[k].shape)}" for k in left)
+        raise RolloutInputError(
+            f"{framework} batch: cannot place {shapes} (neither per token nor per trajectory); pass ignore=[...] to leave them out"
+        )
+
+
+def _rename(key: str, renames: Mapping[str, str]) -> str:
+    return renames.get(key, key)
+
+
+# ----------------------------------------------------------------------------------- verl
+
+_VERL_RENAMES = {"ref_log_prob": "ref_log_probs", "rollout_log_probs": ROLLOUT_LOGPROBS}
+_VERL_STRUCTURE = {"input_ids", "attention_mask", "position_ids", "responses", "prompts", "response_mask", "loss_mask", ROUTED_EXPERTS}
+
+
+def from_verl(d: Mapping[str, Any], *, ignore: Iterable[str] = ()) -> RolloutBatch:
+    """A batch from verl's padded ``DataProto.batch`` (see the module docstring); ``ignore`` names keys to leave out."""
+    framework = "verl"
+    columns = _columns(d, framework, ignore)
+    input_ids = _token_ids(_require(columns, "input_ids", framework), "input_ids", framework)
+    attention = _require(columns, "attention_mask", framework)
+    responses = _token_ids(_require(columns, "responses", framework), "responses", framework)
+    if input_ids.ndim != 2 or responses.ndim != 2:
+        raise RolloutInputError(f"verl batch: 'input_ids' and 'responses' must be [B, S] and [B, R], got {list(input_ids.shape)} and {list(responses.shape)}")
+    count, total = input_ids.shape
+    width = responses.shape[1]
+    prompt_width = total - width
+    if prompt_width < 0 or responses.shape[0] != count:
+        raise RolloutInputError(f"verl batch: 'responses' {list(responses.shape)} does not fit 'input_ids' {list(input_ids.shape)}")
+    _check_shape(attention, (count, total), "attention_mask", framework)
+    if "response_mask" in columns:
+        response_mask, mask_key = columns["response_mask"], "response_mask"
+    elif "loss_mask" in columns:
+        response_mask, mask_key = columns["loss_mask"][:, -width:] if columns["loss_mask"].ndim == 2 else columns["loss_mask"], "loss_mask"
+    else:
+        response_mask, mask_key = attention[:, prompt_width:], "attention_mask"
+    _check_shape(response_mask, (count, width), mask_key, framework)
+    positions = columns.get("position_ids")
+    routed = columns.get(ROUTED_EXPERTS)
+    if routed is not None:
+        _check_shape(routed, (count, total), ROUTED_EXPERTS, framework)
+    prompts = columns.get("prompts")
+    if prompts is not None:
+        _check_shape(prompts, (count, prompt_width), "prompts", framework)
+
+    response_keys, full_keys = [], []
+    for key, array in columns.items():
+        if key in _VERL_STRUCTURE or array.dtype == object or array.ndim != 2 or array.shape[0] != count:
+            continue
+        if array.shape[1] == width:
+            response_keys.append(key)
+        elif array.shape[1] == total:
+            full_keys.append(key)
+    rows = _Rows(framework)
+    for b in range(count):
+        where = f"verl batch: row {b}"
+        prompt = _run(attention[b, :prompt_width], left=True, where=f"{where}: attention_mask of the prompt")
+        response = _run(attention[b, prompt_width:], left=False, where=f"{where}: attention_mask of the response")
+        columns_b = np.arange(prompt_width - prompt, prompt_width + response)
+        tokens = input_ids[b, columns_b]
+        mismatch = np.flatnonzero(responses[b, :response] != input_ids[b, prompt_width : prompt_width + response])
+        if mismatch.size:
+            raise RolloutInputError(f"{where}: 'responses' column {int(mismatch[0])} differs from 'input_ids' column {prompt_width + int(mismatch[0])}")
+        if prompts is not None and not np.array_equal(prompts[b, prompt_width - prompt :], tokens[:prompt]):
+            raise RolloutInputError(f"{where}: 'prompts' differs from the prompt part of 'input_ids'")
+        if response_mask[b, response:].any():
+            column = response + int(np.flatnonzero(response_mask[b, response:])[0])
+            raise RolloutInputError(f"{where}: '{mask_key}' is set on padding column {column} of the response")
+        if positions is not None and positions.ndim == 2 and not np.array_equal(positions[b, columns_b], np.arange(len(tokens))):
+            raise RolloutInputError(
+                f"{where}: 'position_ids' of the valid tokens are not 0..{len(tokens) - 1}; HARTS places every token at its "
+                "position in its own trajectory"
+            )
+        fields = {"loss_mask": np.concatenate([np.zeros(prompt, np.float32), response_mask[b, :response].astype(np.float32)])}
+        for key in response_keys:
+            values = columns[key][b, :response]
+            fields[_rename(key, _VERL_RENAMES)] = np.concatenate([np.zeros(prompt, values.dtype), values])
+        for key in full_keys:
+            fields[_rename(key, _VERL_RENAMES)] = columns[key][b, columns_b]
+        rows.add(tokens, prompt, fields, None if routed is None else routed[b, columns_b])
+    placed = _VERL_STRUCTURE & set(columns) | set(response_keys) | set(full_keys)
+    placed |= _per_trajectory(columns, placed, count, framework, rows)
+    _unplaced(columns, placed, framework)
+    return rows.batch()
+
+
+# ----------------------------------------------------------------------------------- TRL
+
+_TRL_RENAMES = {
+    "old_per_token_logps": "old_log_probs",
+    "ref_per_token_logps": "ref_log_probs",
+    "sampling_per_token_logps": ROLLOUT_LOGPROBS,
+}
+_TRL_STRUCTURE = {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tool_mask", ROUTED_EXPERTS}
+
+
+def from_trl(d: Mapping[str, Any], *, ignore: Iterable[str] = ()) -> RolloutBatch:
+    """A batch from the inputs TRL's ``GRPOTrainer`` builds for its loss (see the module docstring)."""
+    framework = "trl"
+    columns = _columns(d, framework, ignore)
+    prompt_ids = _token_ids(_require(columns, "prompt_ids", framework), "prompt_ids", framework)
+    completion_ids = _token_ids(_require(columns, "completion_ids", framework), "completion_ids", framework)
+    if prompt_ids.ndim != 2 or completion_ids.ndim != 2 or prompt_ids.shape[0] != completion_ids.shape[0]:
+        raise RolloutInputError(
+            f"trl batch: 'prompt_ids' and 'completion_ids' must be [B, P] and [B, C], got {list(prompt_ids.shape)} and {list(completion_ids.shape)}"
+        )
+    count, prompt_width = prompt_ids.shape
+    width = completion_ids.shape[1]
+    prompt_mask = columns.get("prompt_mask", np.ones_like(prompt_ids))
+    completion_mask = columns.get("completion_mask", np.ones_like(completion_ids))
+    tool_mask = columns.get("tool_mask", np.ones_like(completion_ids))
+    for key, array, shape in (("prompt_mask", prompt_mask, (count, prompt_width)), ("completion_mask", completion_mask, (count, width)),
+                              ("tool_mask", tool_mask, (count, width))):
+        _check_shape(array, shape, key, framework)
+    routed = columns.get(ROUTED_EXPERTS)
+    if routed is not None:
+        _check_shape(routed, (count, prompt_width + width), ROUTED_EXPERTS, framework)
+    completion_keys = [
+        key for key, array in columns.items()
+        if key not in _TRL_STRUCTURE and array.dtype != object and array.ndim == 2 and array.shape == (count, width)
+    ]
+    rows = _Rows(framework)
+    for b in range(count):
+        where = f"trl batch: row {b}"
+        prompt = _run(prompt_mask[b], left=True, where=f"{where}: prompt_mask")
+        completion = _run(completion_mask[b], left=False, where=f"{where}: completion_mask")
+        tokens = np.concatenate([prompt_ids[b, prompt_width - prompt :], completion_ids[b, :completion]])
+        generated = (completion_mask[b, :completion] * tool_mask[b, :completion]).astype(np.float32)
+        fields = {"loss_mask": np.concatenate([np.zeros(prompt, np.float32), generated])}
+        for key in completion_keys:
+            values = columns[key][b, :completion]
+            fields[_rename(key, _TRL_RENAMES)] = np.concatenate([np.zeros(prompt, values.dtype), values])
+        kept = np.concatenate([np.arange(prompt_width - prompt, prompt_width), prompt_width + np.arange(completion)])
+        rows.add(tokens, prompt, fields, None if routed is None else routed[b, kept])
+    placed = _TRL_STRUCTURE & set(columns) | set(completion_keys)
+    placed |= _per_trajectory(columns, placed, count, framework, rows)
+    _unplaced(columns, placed, framework)
+    return rows.batch()
+
+
+# ----------------------------------------------------------------------------------- AReaL
+
+_AREAL_RENAMES = {"logprobs": ROLLOUT_LOGPROBS, "prox_logp": "old_log_probs", "ref_logp": "ref_log_probs"}
+#: Per-token outputs of AReaL's engine (gathered at roll(input_ids, -1)): next-token aligned.
+_AREAL_NEXT_TOKEN = {"prox_logp", "ref_logp"}
+#: What PPOActor.compute_advantages adds or rolls by -1.
+_AREAL_AFTER_ADVANTAGES = {"loss_mask", "logprobs", "advantages", "returns", "values", "kl_rewards", "tot_rewards"}
+_AREAL_STRUCTURE = {"input_ids", "attention_mask", "cu_seqlens", "position_ids", ROUTED_EXPERTS}
+
+
+def _areal_rows(columns: Mapping[str, np.ndarray]) -> tuple[list[np.ndarray], str]:
+    """Token index lists (into the flattened per-token arrays) of every trajectory, and the batch's form."""
+    input_ids = _require(columns, "input_ids", "areal")
+    if input_ids.dtype == object:  # one unpadded row per trajectory
+        lengths = [len(row) for row in input_ids]
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        return [np.arange(offsets[i], offsets[i + 1]) for i in range(len(lengths))], "rows"
+    if input_ids.ndim == 1:
+        cu = _require(columns, "cu_seqlens", "areal").astype(np.int64)
+        if cu.ndim != 1 or cu[0] != 0 or cu[-1] != input_ids.shape[0] or np.any(np.diff(cu) < 0):
+            raise RolloutInputError(f"areal batch, key 'cu_seqlens': not offsets from 0 to the {input_ids.shape[0]} packed tokens")
+        return [np.arange(cu[i], cu[i + 1]) for i in range(len(cu) - 1)], "packed"
+    if input_ids.ndim != 2:
+        raise RolloutInputError(f"areal batch, key 'input_ids': expected [B, S], packed [T] or a list of rows, got {list(input_ids.shape)}")
+    count, total = input_ids.shape
+    attention = columns.get("attention_mask", np.ones_like(input_ids))
+    _check_shape(attention, (count, total), "attention_mask", "areal")
+    rows = []
+    for b in range(count):
+        length = _run(attention[b], left=False, where=f"areal batch: row {b}: attention_mask")
+        rows.append(b * total + np.arange(length))
+    return rows, "padded"
+
+
+def _flat(array: np.ndarray, form: str, key: str, token_count: int, trailing: int = 0) -> np.ndarray | None:
+    """The per-token values of ``array`` flattened over tokens, or None when it is not per token."""
+    if form == "rows":
+        if array.dtype != object and array.ndim < 2 or array.dtype == object and len(array) and isinstance(array[0], (str, bytes)):
+            return None  # per trajectory
+        flat = np.concatenate([np.asarray(row) for row in array]) if len(array) else np.zeros(0)
+    elif form == "packed":
+        flat = array
+    else:
+        if array.ndim < 2:
+            return None
+        flat = array.reshape(array.shape[0] * array.shape[1], *array.shape[2:])
+    if flat.shape[0] != token_count or flat.ndim != 1 + trailing:
+        raise RolloutInputError(f"areal batch, key '{key}': shape {list(array.shape)} does not match 'input_ids'")
+    return flat
+
+
+def from_areal(d: Mapping[str, Any], *, after_advantages: bool | None = None, ignore: Iterable[str] = ()) -> RolloutBatch:
+    """A batch from an AReaL batch: padded, packed with ``cu_seqlens``, or one row per trajectory (see the module docstring)."""
+    framework = "areal"
+    columns = _columns(d, framework, ignore)
+    token_rows, form = _areal_rows(columns)
+    count = len(token_rows)
+    input_ids = columns["input_ids"]
+    token_count = sum(len(row) for row in input_ids) if form == "rows" else input_ids.size
+    flat_ids = _token_ids(_flat(input_ids, form, "input_ids", token_count), "input_ids", framework)
+    per_token: dict[str, np.ndarray] = {}
+    for key, array in columns.items():
+        if key in _AREAL_STRUCTURE:
+            continue
+        if form == "packed" and (array.ndim != 1 or array.shape[0] != token_count):
+            continue
+        if form == "padded" and (array.ndim != 2 or array.shape[:2] != input_ids.shape):
+            continue
+        flat = _flat(array, form, key, token_count)
+        if flat is not None:
+            per_token[key] = flat
+    if after_advantages is None:
+        after_advantages = "advantages" in per_token
+    next_token = _AREAL_NEXT_TOKEN | (_AREAL_AFTER_ADVANTAGES if after_advantages else set())
+    routed = columns.get(ROUTED_EXPERTS)
+    flat_routed = None if routed is None else _flat(routed, form, ROUTED_EXPERTS, token_count, trailing=2)
+    if "loss_mask" not in per_token:
+        raise RolloutInputError("areal batch: missing required key 'loss_mask' (1 on generated tokens)")
+    rows = _Rows(framework)
+    for b, index in enumerate(token_rows):
+        fields = {}
+        for key, flat in per_token.items():
+            values = flat[index]
+            if key in next_token:  # entry t scores token t + 1: shift to token alignment, entry 0 = 0
+                values = np.concatenate([np.zeros(1, values.dtype), values[:-1]]) if len(values) else values
+            fields[_rename(key, _AREAL_RENAMES)] = values
+        fields["loss_mask"] = fields["loss_mask"].astype(np.float32)
+        generated = np.flatnonzero(fields["loss_mask"])
+        prompt = int(generated[0]) if generated.size else len(index)
+        rows.add(flat_ids[index], prompt, fields, None if flat_routed is None else flat_routed[index])
+    placed = _AREAL_STRUCTURE & set(columns) | set(per_token)
+    placed |= _per_trajectory(columns, placed, count, framework, rows)
+    _unplaced(columns, placed, framework)
+    return rows.batch()
