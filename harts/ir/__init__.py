@@ -1,8 +1,10 @@
-"""The tree IR: nodes, text form, verification, prefix queries."""
+"""The tree IR: nodes (the laid-out phase's layouts included), text form, verification, prefix queries."""
 
+from harts.ir.layout import MicrobatchLayout
 from harts.ir.nodes import (
     CompactTrie,
     InputSequence,
+    LaidOutModule,
     Microbatch,
     Module,
     Phase,
@@ -17,7 +19,9 @@ from harts.ir.prefix_index import PrefixIndex
 __all__ = [
     "CompactTrie",
     "InputSequence",
+    "LaidOutModule",
     "Microbatch",
+    "MicrobatchLayout",
     "Module",
     "Phase",
     "PrefixIndex",
