@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 from harts.batch import RolloutBatch
 from harts.errors import PipelineError
-from harts.ir.nodes import LaidOutModule, Phase
+from harts.ir.layout import LaidOutModule
+from harts.ir.nodes import Phase
 from harts.options import DEFAULT_OPTIONS, CompileOptions
 from harts.passes.base import Pass, PassContext
 from harts.passes.codegen import Codegen

@@ -38,7 +38,8 @@ from harts._version import __version__
 from harts.codegen.layout import MicrobatchLayout, layout_of
 from harts.errors import HartsError, PlanArtifactError
 from harts.fsio import atomic_write_bytes, replace_directory
-from harts.ir.nodes import LaidOutModule, Module, Phase
+from harts.ir.layout import LaidOutModule
+from harts.ir.nodes import Module, Phase
 from harts.ir.text import parse_ir, print_ir
 from harts.ir.verify import verify
 

@@ -19,13 +19,15 @@ from harts.errors import IRVerificationError
 from harts.ir.layout import (
     ARRAY_FIELDS,
     LAYOUT_FORMAT_VERSION,
+    LaidOutModule,
     MicrobatchLayout,
     concatenated_ranges,
     decode_arithmetic_runs,
     encode_arithmetic_runs,
     offsets_of,
+    state_handoffs,
 )
-from harts.ir.nodes import LaidOutModule, Module, Phase
+from harts.ir.nodes import Module, Phase
 
 __all__ = [
     "ARRAY_FIELDS",
@@ -81,23 +83,6 @@ def build_layout(module: Module, microbatch_index: int) -> MicrobatchLayout:
     member_start = trajectory_offsets[:-1]
     sequence_member_start = member_start[np.searchsorted(members, seq_trajectory)]
 
-    # Exports, chunk indices counted from the exporting sequence's replay start, and state sources.
-    exports = [list(sequence.exports) for _, sequence in sequences]
-    export_offsets = offsets_of([len(e) for e in exports])
-    export_position = np.array([p for e in exports for p in e], dtype=np.int64)
-    export_chunk = (export_position - np.repeat(seq_replay_start, np.diff(export_offsets))) // chunk
-    by_round_trajectory = {(r, sequence.trajectory): number for number, (r, sequence) in enumerate(sequences)}
-    seq_state_source = np.full(len(sequences), -1, dtype=np.int64)
-    seq_state_export = np.full(len(sequences), -1, dtype=np.int64)
-    for number, (_, sequence) in enumerate(sequences):
-        state = sequence.state_from
-        if state is not None:
-            producer = by_round_trajectory[(state.round, state.trajectory)]
-            seq_state_source[number] = producer
-            seq_state_export[number] = export_offsets[producer] + exports[producer].index(state.position)
-    seq_state_chunk = np.full(len(sequences), -1, dtype=np.int64)
-    handed_over = seq_state_export >= 0
-    seq_state_chunk[handed_over] = export_chunk[seq_state_export[handed_over]]
 
     layout = MicrobatchLayout(
         microbatch=microbatch.index,
@@ -115,14 +100,9 @@ def build_layout(module: Module, microbatch_index: int) -> MicrobatchLayout:
         seq_end=seq_end,
         seq_replay_start=seq_replay_start,
         seq_row_start=seq_row_start,
-        seq_state_source=seq_state_source,
-        seq_state_chunk=seq_state_chunk,
-        seq_state_export=seq_state_export,
-        export_offsets=export_offsets,
-        export_position=export_position,
-        export_chunk=export_chunk,
         ancestor_offsets=offsets_of(seq_start),
         ancestor_rows=trajectory_rows[concatenated_ranges(sequence_member_start, seq_start)],
+        **state_handoffs(sequences, chunk),
     )
     logger.debug(
         "layout of microbatch %d: %d rows, %d sequences in %d rounds, %d exports, %d replay rows",

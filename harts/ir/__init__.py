@@ -1,10 +1,9 @@
 """The tree IR: nodes (the laid-out phase's layouts included), text form, verification, prefix queries."""
 
-from harts.ir.layout import MicrobatchLayout
+from harts.ir.layout import LaidOutModule, MicrobatchLayout
 from harts.ir.nodes import (
     CompactTrie,
     InputSequence,
-    LaidOutModule,
     Microbatch,
     Module,
     Phase,

@@ -7,7 +7,8 @@ the tokens of one input sequence are contiguous and all sequences of a round are
 adjacent. Replay rows ``[replay_start, start)`` are not rows of their own: they are
 ancestors' rows, gathered when a linear-attention call needs them.
 
-A layout is the IR node of the ``laid_out`` phase: the ``codegen`` pass builds it
+A layout is the IR node of the ``laid_out`` phase (whose root, :class:`LaidOutModule`,
+holds the rounded module and one layout per microbatch): the ``codegen`` pass builds it
 (:mod:`harts.codegen.layout`), :func:`harts.ir.verify_layout.verify_laid_out` checks it,
 the plan artifact stores its arrays and the runtime executes from them. Everything here is
 a flat numpy ``int64`` array (CSR for ragged lists); in the IR text and in the artifact each
@@ -36,12 +37,14 @@ member trajectories):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import numpy as np
 
 from harts.errors import PlanArtifactError
+from harts.ir.nodes import InputSequence, Module, Phase
 
 LAYOUT_FORMAT_VERSION = 2
 
@@ -99,6 +102,39 @@ def offsets_of(lengths) -> np.ndarray:
     out = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(np.asarray(lengths, dtype=np.int64), out=out[1:])
     return out
+
+
+def state_handoffs(sequences: Sequence[tuple[int, InputSequence]], chunk_size: int) -> dict[str, np.ndarray]:
+    """The export and state-source arrays of a layout whose sequences are ``sequences``.
+
+    ``sequences``: (round, sequence) pairs in layout order. Chunk indices count from the
+    exporting sequence's replay start; a sequence that starts from the zero state has -1.
+    The builder stores these arrays and the verifier compares a layout's with them.
+    """
+    exports = [list(sequence.exports) for _, sequence in sequences]
+    export_offsets = offsets_of([len(e) for e in exports])
+    export_position = np.array([p for e in exports for p in e], dtype=np.int64)
+    replay_start = np.array([sequence.replay_start for _, sequence in sequences], dtype=np.int64)
+    export_chunk = (export_position - np.repeat(replay_start, np.diff(export_offsets))) // chunk_size
+    by_round_trajectory = {(r, sequence.trajectory): number for number, (r, sequence) in enumerate(sequences)}
+    source = np.full(len(sequences), -1, dtype=np.int64)
+    export = np.full(len(sequences), -1, dtype=np.int64)
+    for number, (_, sequence) in enumerate(sequences):
+        state = sequence.state_from
+        if state is not None:
+            producer = by_round_trajectory[(state.round, state.trajectory)]
+            source[number] = producer
+            export[number] = export_offsets[producer] + exports[producer].index(state.position)
+    chunk = np.full(len(sequences), -1, dtype=np.int64)
+    chunk[export >= 0] = export_chunk[export[export >= 0]]
+    return {
+        "export_offsets": export_offsets,
+        "export_position": export_position,
+        "export_chunk": export_chunk,
+        "seq_state_source": source,
+        "seq_state_export": export,
+        "seq_state_chunk": chunk,
+    }
 
 
 #: The arrays of a layout, in the order they are stored.
@@ -327,3 +363,27 @@ class MicrobatchLayout:
         if np.any(self.seq_state_export >= exports) or np.any(self.seq_state_source >= sequences):
             return "a state source points past the exports or sequences"
         return None
+
+
+@attrs.frozen
+class LaidOutModule:
+    """The ``laid_out`` phase: a rounded module and, per microbatch (in order), its layout.
+
+    ``codegen`` produces it; the plan artifact stores ``module`` as IR text and ``layouts``
+    as tensors. Not hashable (layouts hold arrays).
+    """
+
+    module: Module
+    layouts: tuple[MicrobatchLayout, ...]
+
+    @property
+    def phase(self) -> Phase:
+        return Phase.LAID_OUT
+
+    @property
+    def input_hash(self) -> str:
+        return self.module.input_hash
+
+
+#: The node classes of the laid-out phase, by name (the printer and parser use them).
+LAYOUT_NODE_CLASSES: dict[str, type] = {cls.__name__: cls for cls in (MicrobatchLayout, LaidOutModule)}

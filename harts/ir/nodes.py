@@ -16,7 +16,7 @@ Phases, in order, and what each adds (the pass that adds it in brackets):
 * ``laid_out``     each microbatch's compact physical layout (§4.2)   [codegen]
 
 The first six phases are phases of one root, :class:`Module`. Code generation changes the
-root: a :class:`LaidOutModule` holds the rounded module and one
+root: a :class:`~harts.ir.layout.LaidOutModule` holds the rounded module and one
 :class:`~harts.ir.layout.MicrobatchLayout` per microbatch, the index arrays the runtime
 executes.
 """
@@ -27,8 +27,6 @@ import enum
 from collections.abc import Iterable
 
 import attrs
-
-from harts.ir.layout import MicrobatchLayout
 
 
 class Phase(enum.IntEnum):
@@ -222,31 +220,8 @@ class Module:
     microbatches: tuple[Microbatch, ...] | None = None
 
 
-@attrs.frozen
-class LaidOutModule:
-    """The ``laid_out`` phase: a rounded module and, per microbatch (in order), its layout.
-
-    ``codegen`` produces it; the plan artifact stores ``module`` as IR text and ``layouts``
-    as tensors. Not hashable (layouts hold arrays).
-    """
-
-    module: Module
-    layouts: tuple[MicrobatchLayout, ...]
-
-    @property
-    def phase(self) -> Phase:
-        return Phase.LAID_OUT
-
-    @property
-    def input_hash(self) -> str:
-        return self.module.input_hash
-
-
-#: Every IR node class, by name (the printer and parser use it).
+#: Every node class of the module phases, by name (the printer and parser use it, with the layout's).
 NODE_CLASSES: dict[str, type] = {
     cls.__name__: cls
-    for cls in (
-        Trajectory, TrieNode, CompactTrie, Segment, StateRef, InputSequence, Round, Microbatch, Module,
-        MicrobatchLayout, LaidOutModule,
-    )
+    for cls in (Trajectory, TrieNode, CompactTrie, Segment, StateRef, InputSequence, Round, Microbatch, Module)
 }

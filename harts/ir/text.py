@@ -24,9 +24,11 @@ import attrs
 import numpy as np
 
 from harts.errors import IRParseError
-from harts.ir.layout import ArithmeticRuns
-from harts.ir.nodes import NODE_CLASSES, Phase
+from harts.ir.layout import LAYOUT_NODE_CLASSES, ArithmeticRuns
+from harts.ir.nodes import NODE_CLASSES as MODULE_NODE_CLASSES
+from harts.ir.nodes import Phase
 
+NODE_CLASSES: dict[str, type] = {**MODULE_NODE_CLASSES, **LAYOUT_NODE_CLASSES}
 _INDENT = "  "
 _ARRAY = "Runs"
 
@@ -49,7 +51,7 @@ def _render(value: Any, depth: int) -> str:
         return json.dumps(value)
     if isinstance(value, np.ndarray):
         runs = ArithmeticRuns.encode(value)
-        if value.size <= 3 * len(runs.start):  # no longer than its runs: the entries read better
+        if value.size <= max(16, 3 * len(runs.start)):  # short, or no longer than its runs: entries read better
             return _render(tuple(int(v) for v in value), depth)
         return f"{_ARRAY}(start={_render(runs.start, depth)}, step={_render(runs.step, depth)}, length={_render(runs.length, depth)})"
     if isinstance(value, tuple):

@@ -7,7 +7,8 @@ One verifier per phase: ``verify_lowered`` and ``verify_compressed`` here, the p
 
 from __future__ import annotations
 
-from harts.ir.nodes import LaidOutModule, Module, Phase
+from harts.ir.layout import LaidOutModule
+from harts.ir.nodes import Module, Phase
 from harts.ir.verify_common import fail
 from harts.ir.verify_layout import verify_laid_out
 from harts.ir.verify_plan import verify_partitioned, verify_scheduled

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from harts.ir.layout import MicrobatchLayout, concatenated_ranges, offsets_of
-from harts.ir.nodes import CompactTrie, LaidOutModule, Microbatch, Module, Phase
+from harts.ir.layout import LaidOutModule, MicrobatchLayout, concatenated_ranges, offsets_of, state_handoffs
+from harts.ir.nodes import CompactTrie, Microbatch, Module, Phase
 from harts.ir.verify_common import fail
 
 
@@ -82,10 +82,9 @@ def _verify_layout(module: Module, microbatch: Microbatch, layout: MicrobatchLay
     member_prefix = np.concatenate([_trie_rows(module.trie, int(i)) for i in members])
     member_start = layout.trajectory_offsets[:-1]
     row_prefix = member_prefix[member_start[np.searchsorted(members, layout.row_trajectory)] + layout.row_position]
-    distinct, count = np.unique(row_prefix, return_counts=True)
-    if distinct.size != layout.num_rows:
-        shared = int(distinct[np.argmax(count > 1)])
-        rows = np.flatnonzero(row_prefix == shared)[:2]
+    holders = np.bincount(row_prefix, minlength=module.trie.compact_tokens)
+    if holders.max() > 1:
+        rows = np.flatnonzero(row_prefix == int(np.argmax(holders)))[:2]
         fail(f"{where}: layout rows {int(rows[0])} and {int(rows[1])} hold the same token prefix")
     mapped = row_prefix[layout.trajectory_rows]
     wrong = np.flatnonzero(mapped != member_prefix)
@@ -101,26 +100,9 @@ def _verify_layout(module: Module, microbatch: Microbatch, layout: MicrobatchLay
     own_start = member_start[np.searchsorted(members, layout.seq_trajectory)]
     _expect(where, "ancestor_rows", layout.ancestor_rows, layout.trajectory_rows[concatenated_ranges(own_start, layout.seq_start)])
 
-    # Exports and state sources.
-    exports = [list(sequence.exports) for _, sequence in sequences]
-    _expect(where, "export_offsets", layout.export_offsets, offsets_of([len(e) for e in exports]))
-    _expect(where, "export_position", layout.export_position, [p for e in exports for p in e])
-    exporter_replay = np.repeat(layout.seq_replay_start, np.diff(layout.export_offsets))
-    _expect(where, "export_chunk", layout.export_chunk, (layout.export_position - exporter_replay) // module.chunk_size)
-    by_round_trajectory = {(r, sequence.trajectory): number for number, (r, sequence) in enumerate(sequences)}
-    source = np.full(len(sequences), -1, dtype=np.int64)
-    export = np.full(len(sequences), -1, dtype=np.int64)
-    for number, (_, sequence) in enumerate(sequences):
-        state = sequence.state_from
-        if state is not None:
-            producer = by_round_trajectory[(state.round, state.trajectory)]
-            source[number] = producer
-            export[number] = layout.export_offsets[producer] + exports[producer].index(state.position)
-    _expect(where, "seq_state_source", layout.seq_state_source, source)
-    _expect(where, "seq_state_export", layout.seq_state_export, export)
-    chunk = np.full(len(sequences), -1, dtype=np.int64)
-    chunk[export >= 0] = layout.export_chunk[export[export >= 0]]
-    _expect(where, "seq_state_chunk", layout.seq_state_chunk, chunk)
+    # Exports and state sources (the IR's own references, encoded as indices).
+    for name, expected in state_handoffs(sequences, module.chunk_size).items():
+        _expect(where, name, getattr(layout, name), expected)
 
 
 def verify_laid_out(laid_out: LaidOutModule) -> None:

@@ -27,7 +27,8 @@ import attrs
 
 from harts.batch import RolloutBatch
 from harts.errors import PipelineError
-from harts.ir.nodes import LaidOutModule, Module, Phase
+from harts.ir.layout import LaidOutModule
+from harts.ir.nodes import Module, Phase
 from harts.ir.text import print_ir
 from harts.options import DEFAULT_OPTIONS, CompileOptions
 

@@ -1,6 +1,6 @@
 """``codegen``: the compact physical layout of every microbatch, the stage the runtime executes (§4.2).
 
-Its output is a :class:`~harts.ir.nodes.LaidOutModule`: the rounded module, unchanged, and
+Its output is a :class:`~harts.ir.layout.LaidOutModule`: the rounded module, unchanged, and
 one :class:`~harts.ir.layout.MicrobatchLayout` per microbatch (row order, map m,
 multiplicities, sequences, replay and ancestor rows, exports and state sources). The plan
 artifact stores the layouts as tensors; loading a plan runs from them without laying out again.
@@ -15,7 +15,8 @@ from __future__ import annotations
 import attrs
 
 from harts.codegen.layout import lay_out
-from harts.ir.nodes import LaidOutModule, Module, Phase
+from harts.ir.layout import LaidOutModule
+from harts.ir.nodes import Module, Phase
 from harts.ir.text import print_ir
 from harts.passes.base import Pass, PassContext
 
