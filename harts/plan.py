@@ -43,10 +43,9 @@ from harts.ir.nodes import Module, Phase
 from harts.ir.text import parse_ir, print_ir
 from harts.ir.verify import verify
 
-#: The artifact's schema: 2 since the tensors are read back as the layouts the plan runs from.
-SCHEMA_VERSION = 2
-#: The schema of the inspect document (``Plan.to_json``), unchanged by the artifact's.
-INSPECT_SCHEMA_VERSION = 1
+#: The manifest's schema (also the inspect document's). Unchanged since the tensors became the
+#: layouts a loaded plan runs from: a version-1 artifact always held exactly those tensors.
+SCHEMA_VERSION = 1
 _MANIFEST = "manifest.json"
 _IR = "plan.ir"
 _TENSORS = "tensors.safetensors"
@@ -173,7 +172,7 @@ class Plan:
             }
             microbatches.append(entry)
         return {
-            "schema_version": INSPECT_SCHEMA_VERSION,
+            "schema_version": SCHEMA_VERSION,
             "pipeline": self.pipeline,
             "input_hash": self.input_hash,
             "stats": dict(self.stats),

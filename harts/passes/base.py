@@ -18,7 +18,6 @@ lists only the options that differ from their defaults.
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
@@ -31,8 +30,6 @@ from harts.ir.layout import LaidOutModule
 from harts.ir.nodes import Module, Phase
 from harts.ir.text import print_ir
 from harts.options import DEFAULT_OPTIONS, CompileOptions
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["PASS_NAME", "Pass", "PassContext", "Stage", "option"]
 
