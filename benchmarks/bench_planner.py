@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.ortools_baseline import ortools_plan  # noqa: E402
 from harts.ir.verify_plan import verify_scheduled  # noqa: E402
+from harts.options import DEFAULT_OPTIONS  # noqa: E402
 from harts.passes.base import PassContext  # noqa: E402
 from harts.passes.lower import lower  # noqa: E402
 from harts.passes.partition_microbatches import PartitionMicrobatches  # noqa: E402
@@ -60,8 +61,8 @@ def plan_harts(module, repeats: int):
     walls, cpus = [], []
     for _ in range(repeats):
         wall_start, cpu_start = time.perf_counter(), time.process_time()
-        partitioned = PartitionMicrobatches().run(module, PartitionMicrobatches.Options(), PassContext())
-        scheduled = ScheduleSlots().run(partitioned, ScheduleSlots.Options(), PassContext())
+        partitioned = PartitionMicrobatches().run(module, PassContext())
+        scheduled = ScheduleSlots().run(partitioned, PassContext())
         walls.append(time.perf_counter() - wall_start)
         cpus.append(time.process_time() - cpu_start)
     return scheduled, statistics.median(walls), statistics.median(cpus)
@@ -88,7 +89,7 @@ def run(args) -> dict:
         generate_seconds = time.perf_counter() - started
         base = lower(batch, capacity=args.capacity, dp_size=1)
         started = time.perf_counter()
-        compressed = PrefixCompress().run(base, PrefixCompress.Options(), PassContext(batch=batch))
+        compressed = PrefixCompress().run(base, PassContext(batch=batch))
         compress_seconds = time.perf_counter() - started
         step = {
             "seed": seed,
@@ -254,7 +255,7 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="swe_like_step scale (1.0 = full size)")
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 4, 8], help="DP degrees for Table 3")
     parser.add_argument("--table2-dp", type=int, default=4, help="the DP degree Table 2 reports")
-    parser.add_argument("--capacity", type=int, default=65536, help="microbatch capacity T")
+    parser.add_argument("--capacity", type=int, default=DEFAULT_OPTIONS.capacity, help="microbatch capacity T")
     parser.add_argument("--time-limit", type=float, default=2.0, help="CP-SAT wall-clock limit per replica (s)")
     parser.add_argument("--workers", type=int, default=2, help="CP-SAT search workers")
     parser.add_argument("--repeats", type=int, default=3, help="HARTS planning runs per step (best time kept)")

@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harts.ir.nodes import Microbatch, Module, Phase  # noqa: E402
 from harts.ir.verify_rounds import verify_rounded, verify_segmented  # noqa: E402
+from harts.options import DEFAULT_OPTIONS  # noqa: E402
 from harts.passes import PASS_REGISTRY, PassContext, lower  # noqa: E402
 from harts.passes.manager import run_pipeline  # noqa: E402
-from harts.passes.base import make_invocation  # noqa: E402
 from harts.passes.min_call_rounds import MinCallRounds  # noqa: E402
 from harts.passes.prefix_compress import PrefixCompress  # noqa: E402
 from harts.passes.segment import SegmentPass  # noqa: E402
@@ -65,9 +65,9 @@ def scheduled(batch, capacity: int, chunk_size: int, contiguous: bool) -> tuple[
     ctx = PassContext(batch=batch)
     planner_available = "partition-microbatches" in PASS_REGISTRY and "schedule-slots" in PASS_REGISTRY
     if planner_available and not contiguous:
-        invocations = [make_invocation("prefix-compress"), make_invocation("partition-microbatches"), make_invocation("schedule-slots")]
-        return run_pipeline(module, invocations, ctx, verify_each=False), "partition-microbatches + schedule-slots"
-    module = PrefixCompress().run(module, PrefixCompress.Options(), ctx)
+        passes = [PASS_REGISTRY[name]() for name in ("prefix-compress", "partition-microbatches", "schedule-slots")]
+        return run_pipeline(module, passes, ctx, verify_each=False), "partition-microbatches + schedule-slots"
+    module = PrefixCompress().run(module, ctx)
     microbatches = contiguous_microbatches(module, capacity)
     why = "asked for" if planner_available else "planner passes not registered"
     return attrs.evolve(module, phase=Phase.SCHEDULED, microbatches=microbatches), f"contiguous lexicographic split ({why})"
@@ -86,9 +86,9 @@ def measure(seed: int, scale: float, capacity: int, chunk_size: int, contiguous:
     module, microbatching = scheduled(batch, capacity, chunk_size, contiguous)
     ctx = PassContext(batch=batch)
     started = time.perf_counter()
-    module = SegmentPass().run(module, SegmentPass.Options(), ctx)
+    module = SegmentPass().run(module, ctx)
     segmented_at = time.perf_counter()
-    module = MinCallRounds().run(module, MinCallRounds.Options(), ctx)
+    module = MinCallRounds().run(module, ctx)
     rounded_at = time.perf_counter()
     verify_segmented(module)
     verify_rounded(module)
@@ -119,8 +119,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--capacity", type=int, default=65536)
-    parser.add_argument("--chunk-size", type=int, default=64)
+    parser.add_argument("--capacity", type=int, default=DEFAULT_OPTIONS.capacity)
+    parser.add_argument("--chunk-size", type=int, default=DEFAULT_OPTIONS.chunk_size)
     parser.add_argument("--contiguous", action="store_true", help="microbatch by a contiguous lexicographic split, not the planner")
     args = parser.parse_args()
 

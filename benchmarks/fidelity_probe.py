@@ -246,7 +246,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--target-compression", type=float, default=None,
                         help="the trees harts bench --target-compression would pick (default: trees in order)")
-    parser.add_argument("--capacity", type=int, default=65536)
+    parser.add_argument("--capacity", type=int, default=harts.DEFAULT_OPTIONS.capacity)
     parser.add_argument("--trajectories", type=int, default=16, help="trajectories traced through every layer")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None)

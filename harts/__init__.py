@@ -10,11 +10,10 @@ Subpackages that need torch (``runtime``, ``models``, ``rl``, ``kernels``, ``int
 
 import importlib
 
-__version__ = "0.1.0"
-
-from harts.batch import RolloutBatch  # noqa: E402
-from harts.compiler import DEFAULT_PIPELINE, compile  # noqa: E402
-from harts.errors import (  # noqa: E402
+from harts._version import __version__
+from harts.batch import RolloutBatch
+from harts.compiler import DEFAULT_PIPELINE, compile
+from harts.errors import (
     HartsError,
     IRParseError,
     IRVerificationError,
@@ -23,7 +22,8 @@ from harts.errors import (  # noqa: E402
     PlanningError,
     RolloutInputError,
 )
-from harts.plan import Plan, load_plan  # noqa: E402
+from harts.options import DEFAULT_OPTIONS, CompileOptions
+from harts.plan import Plan, load_plan
 
 _LAZY_SUBMODULES = ("runtime", "models", "rl", "kernels", "workloads", "io", "codegen", "planner", "interop")
 
@@ -35,7 +35,9 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "DEFAULT_OPTIONS",
     "DEFAULT_PIPELINE",
+    "CompileOptions",
     "HartsError",
     "IRParseError",
     "IRVerificationError",

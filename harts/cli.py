@@ -15,6 +15,7 @@ from rich.table import Table
 
 import harts
 from harts.errors import HartsError
+from harts.options import DEFAULT_OPTIONS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="HARTS: prefix-sharing plans for hybrid-attention RL training.")
 console = Console(stderr=True)
@@ -53,12 +54,12 @@ def compile_command(
     input: str = typer.Argument(..., help="Node table (.jsonl/.parquet) or preset: demo, swe-like, swe-like:seed=3,scale=0.1,profile=calibrated"),
     output: Path = typer.Option(..., "--output", "-o", help="Plan artifact to write (a directory, or a .safetensors file)."),
     pipeline: Optional[str] = typer.Option(None, "--pipeline", help="Pass pipeline text; default: the full pipeline."),
-    capacity: int = typer.Option(65536, "--capacity", help="Microbatch capacity T in compact tokens."),
-    dp: int = typer.Option(1, "--dp", help="Data-parallel degree D."),
-    chunk_size: int = typer.Option(64, "--chunk-size", help="Linear-attention chunk size B."),
+    capacity: int = typer.Option(DEFAULT_OPTIONS.capacity, "--capacity", help="Microbatch capacity T in compact tokens."),
+    dp: int = typer.Option(DEFAULT_OPTIONS.dp_size, "--dp", help="Data-parallel degree D."),
+    chunk_size: int = typer.Option(DEFAULT_OPTIONS.chunk_size, "--chunk-size", help="Linear-attention chunk size B."),
     print_ir_after_all: bool = typer.Option(False, "--print-ir-after-all", help="Print the IR after every pass (stderr)."),
     print_ir_after: Optional[str] = typer.Option(None, "--print-ir-after", help="Comma-separated passes to print the IR after."),
-    dump_ir: Optional[Path] = typer.Option(None, "--dump-ir", help="Write every stage to DIR/NNN_<pass>.txt."),
+    dump_ir: Optional[Path] = typer.Option(None, "--dump-ir", help="Write every stage, lowering and codegen included, to DIR/NNN_<pass>.txt."),
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip IR verification after each pass."),
     time_passes: bool = typer.Option(False, "--time-passes", help="Print the time of every pass."),
 ) -> None:
@@ -184,7 +185,8 @@ def passes_command() -> None:
     for column in ("name", "requires", "produces", "summary"):
         table.add_column(column)
     for name, pass_class in sorted(PASS_REGISTRY.items(), key=lambda item: item[1].produces):
-        table.add_row(name, str(pass_class.requires), str(pass_class.produces), pass_class.summary)
+        requires = "batch" if pass_class.requires is None else str(pass_class.requires)
+        table.add_row(name, requires, str(pass_class.produces), pass_class.summary)
     Console().print(table)
     Console().print("default pipeline: " + ",".join(harts.DEFAULT_PIPELINE))
 

@@ -1,4 +1,4 @@
-"""``harts.compile``: rollout batch -> verified, rounded IR -> :class:`~harts.plan.Plan`."""
+"""``harts.compile``: rollout batch -> verified IR, pass by pass -> :class:`~harts.plan.Plan`."""
 
 from __future__ import annotations
 
@@ -8,19 +8,27 @@ from collections.abc import Sequence
 
 from harts.batch import RolloutBatch
 from harts.errors import PipelineError
-from harts.passes import PASS_REGISTRY, PassContext, PassInvocation, lower, parse_pipeline, pipeline_to_text
+from harts.ir.layout import LaidOutModule
+from harts.ir.nodes import Phase
+from harts.options import DEFAULT_OPTIONS, CompileOptions
+from harts.passes.base import Pass, PassContext
+from harts.passes.codegen import Codegen
+from harts.passes.lower import lower_batch
 from harts.passes.manager import Instrument, instruments_from_environment, run_pipeline, verification_enabled_by_environment
+from harts.passes.registry import parse_pipeline, pipeline_to_text
 from harts.plan import Plan, compute_stats
 
 logger = logging.getLogger(__name__)
 
-#: The default pipeline, one pass per line.
+#: The default pipeline, one pass per line, in the order they run and why there.
 DEFAULT_PIPELINE: tuple[str, ...] = (
-    "prefix-compress",         # compact trie: map m, multiplicities q, LCP index (§3.1, Eq. 5-6)
-    "partition-microbatches",  # candidate microbatch sets ranked by J (§3.2, Eq. 4, 7-10)
-    "schedule-slots",          # DP replica x microbatch slot assignment (§3.2)
-    "segment",                 # per-microbatch segment forests on the chunk grid (§3.3)
-    "min-call-rounds",         # minimum-call rounds, replay and state handoffs (Alg. 1)
+    "lower",                   # the batch enters as IR: trajectories, input hash and the targets T, D, B every pass plans for
+    "prefix-compress",         # the compact trie comes first: all later work is counted in compact rows (§3.1, Eq. 5-6)
+    "partition-microbatches",  # membership ranked by J needs the trie's LCP work; replica/slot stay unset (§3.2, Eq. 4, 7-10)
+    "schedule-slots",          # replica x slot of the chosen microbatches, by the rule J was ranked with (§3.2)
+    "segment",                 # segment forests need final membership, and the scheduled phase beneath them (§3.3)
+    "min-call-rounds",         # rounds, replay and state hand-offs over each microbatch's segment forest (Alg. 1)
+    "codegen",                 # last: the compact layout freezes everything above into what the runtime executes (§4.2)
 )
 
 
@@ -28,10 +36,22 @@ def default_pipeline_text() -> str:
     return ",".join(DEFAULT_PIPELINE)
 
 
+def complete_pipeline(passes: Sequence[Pass]) -> list[Pass]:
+    """The passes to run: a pipeline that reaches the rounded phase ends in ``codegen``.
+
+    A plan that can run is always laid out, so a pipeline written up to ``min-call-rounds``
+    (as pipelines were before code generation became a pass) still compiles to one.
+    """
+    passes = list(passes)
+    if passes and passes[-1].produces == Phase.ROUNDED:
+        passes.append(Codegen())
+    return passes
+
+
 def _progress_reporter(enabled: bool):
     if not enabled:
         return None, None
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # rich loads only when asked for
 
     progress = Progress(TextColumn("[bold]compile[/bold] {task.description:<24}"), BarColumn(), TimeElapsedColumn(), transient=True)
     task = progress.add_task("", total=1.0)
@@ -45,10 +65,10 @@ def _progress_reporter(enabled: bool):
 def compile(  # noqa: A001 - the public name the design asks for
     batch: RolloutBatch,
     *,
-    capacity: int = 65536,
-    dp_size: int = 1,
-    chunk_size: int = 64,
-    pipeline: str | Sequence[PassInvocation] | None = None,
+    capacity: int = DEFAULT_OPTIONS.capacity,
+    dp_size: int = DEFAULT_OPTIONS.dp_size,
+    chunk_size: int = DEFAULT_OPTIONS.chunk_size,
+    pipeline: str | Sequence[Pass] | None = None,
     verify: bool | None = None,
     instruments: Sequence[Instrument] | None = None,
     progress: bool = False,
@@ -56,34 +76,32 @@ def compile(  # noqa: A001 - the public name the design asks for
     """Compile a rollout batch into an execution plan.
 
     ``pipeline`` is pipeline text (``"prefix-compress,partition-microbatches{capacity=4096},..."``)
-    or parsed invocations; the default is :data:`DEFAULT_PIPELINE`. ``verify=None`` follows
-    ``HARTS_VERIFY`` (on unless set to 0). Instruments from the environment are added to
-    the ones given.
+    or pass instances; the default is :data:`DEFAULT_PIPELINE`. A pipeline that does not start
+    with ``lower`` runs on the batch lowered with these options; one that reaches the rounded
+    phase ends in ``codegen`` (:func:`complete_pipeline`). ``verify=None`` follows
+    ``HARTS_VERIFY`` (on unless set to 0). Instruments from the environment are added to the
+    ones given.
     """
     if not isinstance(batch, RolloutBatch):
         raise PipelineError(f"harts.compile expects a RolloutBatch, got {type(batch).__name__}")
+    options = CompileOptions(capacity=capacity, dp_size=dp_size, chunk_size=chunk_size)
     if pipeline is None:
         pipeline = default_pipeline_text()
-    invocations = parse_pipeline(pipeline) if isinstance(pipeline, str) else list(pipeline)
-    missing = [name for name in DEFAULT_PIPELINE if name not in PASS_REGISTRY]
-    if missing and pipeline == default_pipeline_text():
-        raise PipelineError(f"passes {missing} are not available in this installation")
+    passes = complete_pipeline(parse_pipeline(pipeline) if isinstance(pipeline, str) else pipeline)
     verify_each = verification_enabled_by_environment() if verify is None else verify
     all_instruments = list(instruments or ()) + instruments_from_environment()
     started = time.perf_counter()
-    module = lower(batch, capacity=capacity, dp_size=dp_size, chunk_size=chunk_size)
+    starts_from_batch = bool(passes) and passes[0].requires is None
+    module = None if starts_from_batch else lower_batch(batch, options)
     progress_bar, report = _progress_reporter(progress)
-    ctx = PassContext(batch=batch, progress=report)
+    ctx = PassContext(batch=batch, options=options, progress=report)
     if progress_bar is not None:
         with progress_bar:
-            module = run_pipeline(module, invocations, ctx, verify_each=verify_each, instruments=all_instruments)
+            result = run_pipeline(module, passes, ctx, verify_each=verify_each, instruments=all_instruments)
     else:
-        module = run_pipeline(module, invocations, ctx, verify_each=verify_each, instruments=all_instruments)
+        result = run_pipeline(module, passes, ctx, verify_each=verify_each, instruments=all_instruments)
     plan_seconds = time.perf_counter() - started
-    stats = compute_stats(module, plan_seconds=plan_seconds)
+    module, layouts = (result.module, result.layouts) if isinstance(result, LaidOutModule) else (result, None)
+    stats = compute_stats(module, plan_seconds=plan_seconds, laid_out=layouts is not None)
     logger.info("compiled %d trajectories in %.3f s: compression %.3f", stats["trajectories"], plan_seconds, stats["compression"])
-    plan = Plan(module=module, pipeline=pipeline_to_text(invocations), stats=stats)
-    for instrument in all_instruments:
-        if hasattr(instrument, "write_extra") and plan.has_rounds:
-            instrument.write_extra("codegen", plan.render_programs())
-    return plan
+    return Plan(module=module, pipeline=pipeline_to_text(passes), stats=stats, layouts=layouts)

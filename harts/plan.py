@@ -4,12 +4,16 @@ Artifact layout (a directory)::
 
     PLAN/manifest.json         schema version, harts version, input hash, options, pipeline,
                                stats, sha256 of the two files below, and its own digest
-    PLAN/plan.ir               the rounded IR in canonical text
-    PLAN/tensors.safetensors   per-microbatch index tensors of the compact physical layout
+    PLAN/plan.ir               the IR in canonical text (the rounded module of a laid-out plan)
+    PLAN/tensors.safetensors   the ``codegen`` stage: each microbatch's layout arrays, as runs
 
 or a single ``*.safetensors`` file holding the tensors, with manifest and IR in its
-metadata (one key, ``harts``). Loading checks the schema version and every digest: a truncated or edited
-artifact fails with :class:`~harts.errors.PlanArtifactError`, never yields a wrong plan.
+metadata (one key, ``harts``). The tensors are the source of truth for the layouts: loading
+decodes them, verifies them against the IR (:func:`harts.ir.verify.verify`) and runs from
+them; it never plans or lays out again. (The IR text of a laid-out module would carry the same
+arrays as runs; the artifact keeps them once, as tensors.) Loading checks the schema version
+and every digest: a truncated or edited artifact fails with
+:class:`~harts.errors.PlanArtifactError`, never yields a wrong plan.
 Saving is crash-safe (:mod:`harts.fsio`): the target always holds the old or the new plan, and
 an existing path that is not a HARTS plan is refused, never replaced.
 """
@@ -19,19 +23,28 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
 
+from safetensors import safe_open
+from safetensors.numpy import load as load_tensors
+from safetensors.numpy import load_file as load_tensor_file
+from safetensors.numpy import save as save_tensors
+
+from harts._version import __version__
+from harts.codegen.layout import MicrobatchLayout, layout_of
 from harts.errors import HartsError, PlanArtifactError
 from harts.fsio import atomic_write_bytes, foreign_entries, replace_directory
+from harts.ir.layout import LaidOutModule
 from harts.ir.nodes import Module, Phase
 from harts.ir.text import parse_ir, print_ir
 from harts.ir.verify import verify
 
+#: The manifest's schema (also the inspect document's). Unchanged since the tensors became the
+#: layouts a loaded plan runs from: a version-1 artifact always held exactly those tensors.
 SCHEMA_VERSION = 1
 _MANIFEST = "manifest.json"
 _IR = "plan.ir"
@@ -49,8 +62,11 @@ def _segment_depths(module: Module) -> tuple[int, int]:
     return sum(starts), max(depth, default=0)
 
 
-def compute_stats(module: Module, plan_seconds: float | None = None) -> dict[str, Any]:
-    """The figures of a compiled module; keys follow the inspect document in DESIGN.md."""
+def compute_stats(module: Module, plan_seconds: float | None = None, *, laid_out: bool = False) -> dict[str, Any]:
+    """The figures of a compiled module; keys follow the inspect document in DESIGN.md.
+
+    ``laid_out``: the module's microbatches have been laid out (the plan's phase is ``laid_out``).
+    """
     lengths = [t.length for t in module.trajectories]
     semantic = int(sum(lengths))
     stats: dict[str, Any] = {
@@ -60,7 +76,7 @@ def compute_stats(module: Module, plan_seconds: float | None = None) -> dict[str
         "capacity": module.capacity,
         "dp_size": module.dp_size,
         "chunk_size": module.chunk_size,
-        "phase": str(module.phase),
+        "phase": str(Phase.LAID_OUT if laid_out else module.phase),
         "compact_tokens": None,
         "lower_bound_work": None,
         "total_work": None,
@@ -111,13 +127,18 @@ def _sequence_json(sequence) -> dict[str, Any]:
     }
 
 
-@attrs.frozen(eq=False, slots=False)
+@attrs.frozen(eq=False)
 class Plan:
-    """A compiled plan: the final IR, the pipeline that produced it and its statistics."""
+    """A compiled plan: the final IR, its layouts (the ``codegen`` stage), the pipeline that
+    produced it and its statistics.
+
+    ``layouts`` is None for a plan whose pipeline stopped before code generation.
+    """
 
     module: Module
     pipeline: str
     stats: dict[str, Any]
+    layouts: tuple[MicrobatchLayout, ...] | None = None
 
     @property
     def has_rounds(self) -> bool:
@@ -130,6 +151,11 @@ class Plan:
     @property
     def input_hash(self) -> str:
         return self.module.input_hash
+
+    @property
+    def stage(self) -> Module | LaidOutModule:
+        """What the pipeline produced: the laid-out module, or the module where the pipeline stopped."""
+        return self.module if self.layouts is None else LaidOutModule(module=self.module, layouts=self.layouts)
 
     def to_json(self) -> dict[str, Any]:
         """The inspect document (``harts inspect PLAN --json``)."""
@@ -157,16 +183,13 @@ class Plan:
         return print_ir(self.module)
 
     # ------------------------------------------------------------- codegen
-    def layout(self, microbatch: int):
-        """The compact physical layout of one microbatch (cached)."""
-        return self._layouts[microbatch]
-
-    @cached_property
-    def _layouts(self) -> "_LazyLayouts":
-        return _LazyLayouts(self.module)
+    def layout(self, microbatch: int) -> MicrobatchLayout:
+        """The compact physical layout of one microbatch: the stored one, or (a rounded plan
+        that was not laid out) laid out now."""
+        return layout_of(self.stage, microbatch)
 
     def index_tensors(self) -> dict[str, np.ndarray]:
-        """Every microbatch's layout tensors, keys prefixed ``mb<index>.``."""
+        """Every microbatch's layout tensors, keys prefixed ``mb<index>.`` (empty before the rounded phase)."""
         tensors: dict[str, np.ndarray] = {}
         if not self.has_rounds:
             return tensors
@@ -175,20 +198,8 @@ class Plan:
                 tensors[f"mb{mb.index}.{key}"] = np.ascontiguousarray(value)
         return tensors
 
-    def render_programs(self) -> str:
-        """The generated torch.fx programs of every microbatch, as text."""
-        from harts.codegen.fx import render_programs
-
-        parts = []
-        for mb in self.microbatches:
-            parts.append(f"// ===== microbatch {mb.index} (replica {mb.replica}, slot {mb.slot}) =====\n")
-            parts.append(render_programs(self.layout(mb.index)))
-        return "".join(parts)
-
     # ------------------------------------------------------------- artifact
     def manifest(self, ir_text: str, tensor_bytes: bytes) -> dict[str, Any]:
-        from harts import __version__
-
         stats = {k: v for k, v in self.stats.items() if k != "plan_seconds"}
         manifest = {
             "schema_version": SCHEMA_VERSION,
@@ -205,9 +216,10 @@ class Plan:
         return manifest
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the artifact atomically: a directory, or one file if ``path`` ends in ``.safetensors``."""
-        from safetensors.numpy import save as save_tensors
+        """Write the artifact atomically: a directory, or one file if ``path`` ends in ``.safetensors``.
 
+        A rounded plan always stores its layouts (laid out now if its pipeline stopped at ``min-call-rounds``).
+        """
         path = Path(path)
         ir_text = self.ir_text()
         tensors = self.index_tensors()
@@ -223,19 +235,6 @@ class Plan:
         manifest = self.manifest(ir_text, tensor_bytes)
         _atomic_write_directory(path, {_MANIFEST: _dumps(manifest).encode(), _IR: ir_text.encode(), _TENSORS: tensor_bytes})
         return path
-
-
-class _LazyLayouts:
-    def __init__(self, module: Module):
-        self.module = module
-        self.cache: dict[int, Any] = {}
-
-    def __getitem__(self, index: int):
-        if index not in self.cache:
-            from harts.codegen.layout import MicrobatchLayout
-
-            self.cache[index] = MicrobatchLayout.build(self.module, index)
-        return self.cache[index]
 
 
 def _dumps(document: dict[str, Any]) -> str:
@@ -283,8 +282,6 @@ def _is_plan_file(path: Path) -> bool:
     """True for a single-file plan (a safetensors file with a HARTS manifest in its metadata)."""
     if not path.is_file() or path.is_symlink():
         return False
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), framework="numpy") as handle:
             return "harts" in (handle.metadata() or {})
@@ -334,8 +331,34 @@ def _check_manifest(manifest: Any, where: Path) -> dict[str, Any]:
     return manifest
 
 
+def _layouts_from_tensors(tensors: dict[str, np.ndarray], module: Module, where: Path) -> tuple[MicrobatchLayout, ...] | None:
+    """The stored layouts, one per microbatch in order (None for a plan stored before the rounded phase)."""
+    if module.phase < Phase.ROUNDED:
+        if tensors:
+            raise PlanArtifactError(f"{where}: a {module.phase} plan stores no layout tensors, but this one holds {len(tensors)}")
+        return None
+    per_microbatch: dict[str, dict[str, np.ndarray]] = {}
+    for name, value in tensors.items():
+        prefix, _, key = name.partition(".")
+        per_microbatch.setdefault(prefix, {})[key] = value
+    expected = [f"mb{mb.index}" for mb in module.microbatches]
+    foreign = sorted(set(per_microbatch) - set(expected))
+    if foreign:
+        raise PlanArtifactError(f"{where}: the layout tensors name microbatch {foreign[0]!r}, which the plan does not have")
+    layouts = []
+    for prefix in expected:
+        if prefix not in per_microbatch:
+            raise PlanArtifactError(f"{where}: the artifact holds no layout of microbatch {prefix[2:]}")
+        layouts.append(MicrobatchLayout.from_tensors(per_microbatch[prefix]))
+    return tuple(layouts)
+
+
 def load_plan(path: str | os.PathLike) -> Plan:
-    """Load and check a plan artifact written by :meth:`Plan.save`."""
+    """Load and check a plan artifact written by :meth:`Plan.save`.
+
+    The layouts come from the stored tensors and are verified against the stored IR; nothing
+    is planned or laid out again.
+    """
     path = Path(path)
     if not path.exists():
         raise PlanArtifactError(f"no plan at {path}")
@@ -355,14 +378,15 @@ def load_plan(path: str | os.PathLike) -> Plan:
                 raise PlanArtifactError(f"{path}: missing {Path(error.filename).name}") from None
             if hashlib.sha256(tensor_bytes).hexdigest() != manifest.get("tensors_sha256"):
                 raise PlanArtifactError(f"{path / _TENSORS}: truncated or edited (digest mismatch)")
+            try:
+                tensors = load_tensors(tensor_bytes)
+            except Exception as error:  # safetensors raises several types for damaged headers
+                raise PlanArtifactError(f"{path / _TENSORS}: not readable tensors ({error})") from None
         else:
-            from safetensors import safe_open
-            from safetensors.numpy import load_file
-
             try:
                 with safe_open(str(path), framework="numpy") as handle:
                     metadata = handle.metadata() or {}
-                tensors = load_file(str(path))
+                tensors = load_tensor_file(str(path))
             except Exception as error:  # safetensors raises several types for damaged headers
                 raise PlanArtifactError(f"{path}: not a readable plan file ({error})") from None
             if "harts" not in metadata:
@@ -380,7 +404,10 @@ def load_plan(path: str | os.PathLike) -> Plan:
         if hashlib.sha256(ir_text.encode()).hexdigest() != manifest.get("ir_sha256"):
             raise PlanArtifactError(f"{path}: the IR was truncated or edited (digest mismatch)")
         module = parse_ir(ir_text)
-        verify(module)
+        if not isinstance(module, Module):
+            raise PlanArtifactError(f"{path}: the stored IR is a {type(module).__name__}, not a Module")
+        layouts = _layouts_from_tensors(tensors, module, path)
+        verify(module if layouts is None else LaidOutModule(module=module, layouts=layouts))
     except PlanArtifactError:
         raise
     except HartsError as error:
@@ -389,4 +416,4 @@ def load_plan(path: str | os.PathLike) -> Plan:
         raise PlanArtifactError(f"{path}: the IR's input hash differs from the manifest's")
     stats = dict(manifest.get("stats", {}))
     stats["plan_seconds"] = None
-    return Plan(module=module, pipeline=manifest.get("pipeline_text", ""), stats=stats)
+    return Plan(module=module, pipeline=manifest.get("pipeline_text", ""), stats=stats, layouts=layouts)

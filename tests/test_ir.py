@@ -18,7 +18,7 @@ from tests.strategies import token_trees
 
 def compressed(trajectories) -> Module:
     batch = RolloutBatch.from_trajectories(trajectories)
-    return PrefixCompress().run(lower(batch), PrefixCompress.Options(), PassContext(batch=batch))
+    return PrefixCompress().run(lower(batch), PassContext(batch=batch))
 
 
 @given(token_trees())

@@ -19,15 +19,17 @@ from hypothesis import strategies as st
 
 from harts.batch import RolloutBatch
 from harts.codegen.fx import build_linear_attention_program, render_programs
-from harts.codegen.layout import MicrobatchLayout
+from harts.codegen.layout import MicrobatchLayout, build_layout
 from harts.errors import IRVerificationError, PlanArtifactError
 from harts.ir.nodes import Microbatch, Phase, StateRef
 from harts.ir.verify import verify
 from harts.kernels import naive
 from harts.passes import PassContext, lower
+from harts.passes.codegen import Codegen
+from harts.passes.manager import run_pipeline
 from harts.passes.min_call_rounds import MinCallRounds
 from harts.passes.prefix_compress import PrefixCompress
-from harts.passes.segment import SegmentPass, used_trie_nodes
+from harts.passes.segment import SegmentPass
 from harts.runtime.tree_view import TreeView
 from harts.runtime.view import BaselineView
 from tests.strategies import token_trees
@@ -36,18 +38,19 @@ from tests.strategies import token_trees
 def rounded_module(batch: RolloutBatch, chunk_size: int, groups=None):
     """A rounded module whose microbatches are ``groups`` (lists of trajectory indices; default: one)."""
     module = lower(batch, capacity=1 << 30, chunk_size=chunk_size)
-    module = PrefixCompress().run(module, PrefixCompress.Options(), PassContext(batch=batch))
+    module = PrefixCompress().run(module, PassContext(batch=batch))
     groups = [list(range(len(batch)))] if groups is None else groups
     trie = module.trie
     microbatches = []
     for index, group in enumerate(groups):
         members = tuple(sorted(group))
-        work = sum(trie.nodes[n].end - trie.nodes[n].start for n in used_trie_nodes(trie, members))
+        work = sum(trie.nodes[n].end - trie.nodes[n].start for n in trie.used_nodes(members))
         microbatches.append(Microbatch(index, members, work, replica=0, slot=index))
     module = attrs.evolve(module, phase=Phase.SCHEDULED, microbatches=tuple(microbatches))
+    verify(module)  # a hand-built phase must be one the passes could have produced
     ctx = PassContext(batch=batch)
-    module = SegmentPass().run(module, SegmentPass.Options(), ctx)
-    module = MinCallRounds().run(module, MinCallRounds.Options(), ctx)
+    module = SegmentPass().run(module, ctx)
+    module = MinCallRounds().run(module, ctx)
     verify(module)
     return module
 
@@ -162,7 +165,7 @@ def test_layout_matches_brute_force_prefixes(case):
     batch, chunk_size, groups = case
     module = rounded_module(batch, chunk_size, groups)
     for microbatch in module.microbatches:
-        check_layout(batch, module, MicrobatchLayout.build(module, microbatch.index))
+        check_layout(batch, module, build_layout(module, microbatch.index))
 
 
 @settings(max_examples=15, deadline=None)
@@ -171,8 +174,8 @@ def test_layout_tensors_round_trip_and_are_deterministic(case):
     batch, chunk_size, groups = case
     module = rounded_module(batch, chunk_size, groups)
     for microbatch in module.microbatches:
-        first = MicrobatchLayout.build(module, microbatch.index).to_tensors()
-        second = MicrobatchLayout.build(rounded_module(batch, chunk_size, groups), microbatch.index).to_tensors()
+        first = build_layout(module, microbatch.index).to_tensors()
+        second = build_layout(rounded_module(batch, chunk_size, groups), microbatch.index).to_tensors()
         assert list(first) == list(second)
         for key in first:
             assert first[key].dtype == np.int64
@@ -184,7 +187,7 @@ def test_layout_tensors_round_trip_and_are_deterministic(case):
 def test_figure_batch_has_replay_exports_and_two_rounds():
     batch = figure_batch()
     module = rounded_module(batch, 4)
-    layout = MicrobatchLayout.build(module, 0)
+    layout = build_layout(module, 0)
     check_layout(batch, module, layout)
     assert layout.num_rounds >= 2 and layout.num_exports >= 1 and layout.replay_tokens > 0
     assert layout.num_rows < batch.semantic_tokens
@@ -196,7 +199,7 @@ def test_nested_forks_inside_one_chunk_and_trees_sharing_a_prompt(chunk_size):
     for groups in (None, [[0, 2, 3, 7], [1, 4, 5, 6, 8]]):
         module = rounded_module(batch, chunk_size, groups)
         for microbatch in module.microbatches:
-            check_layout(batch, module, MicrobatchLayout.build(module, microbatch.index))
+            check_layout(batch, module, build_layout(module, microbatch.index))
 
 
 def test_zero_state_sequence_in_a_later_round():
@@ -210,7 +213,8 @@ def test_zero_state_sequence_in_a_later_round():
     rounds.append(attrs.evolve(rest[0], sequences=rest[0].sequences + (mover,)))
     rounds.extend(rest[1:])
     moved = attrs.evolve(module, microbatches=(attrs.evolve(microbatch, rounds=tuple(rounds)),))
-    layout = MicrobatchLayout.build(moved, 0)
+    verify(moved)
+    layout = build_layout(moved, 0)
     check_layout(batch, moved, layout)
     program = build_linear_attention_program(layout)
     assert "zero_state_round1" in program.code
@@ -230,18 +234,19 @@ def test_layout_rejects_a_state_that_is_never_exported():
                           replay_start=victim.replay_start + 4)
     rounds[-1] = attrs.evolve(late, sequences=tuple(broken if s is victim else s for s in late.sequences))
     bad = attrs.evolve(module, microbatches=(attrs.evolve(microbatch, rounds=tuple(rounds)),))
+    # codegen's input is verified by the pass manager: the layout builder does not check rounds again
     with pytest.raises(IRVerificationError, match="microbatch 0, round"):
-        MicrobatchLayout.build(bad, 0)
+        run_pipeline(bad, [Codegen()], PassContext())
 
 
 def test_layout_rejects_unrounded_modules_and_damaged_tensors():
     batch = figure_batch()
     module = rounded_module(batch, 4)
     with pytest.raises(IRVerificationError, match="rounded"):
-        MicrobatchLayout.build(attrs.evolve(module, phase=Phase.SEGMENTED), 0)
+        build_layout(attrs.evolve(module, phase=Phase.SEGMENTED), 0)
     with pytest.raises(IRVerificationError, match="no microbatch 7"):
-        MicrobatchLayout.build(module, 7)
-    tensors = MicrobatchLayout.build(module, 0).to_tensors()
+        build_layout(module, 7)
+    tensors = build_layout(module, 0).to_tensors()
     with pytest.raises(PlanArtifactError, match="ancestor_rows"):
         MicrobatchLayout.from_tensors({k: v for k, v in tensors.items() if k != "ancestor_rows.run_start"})
     shortened = tensors["seq_row_start.run_length"].copy()
@@ -312,7 +317,7 @@ def test_linear_attention_program_equals_eager_rounds_and_expanded_baseline(case
     batch, chunk_size, groups = case
     module = rounded_module(batch, chunk_size, groups)
     for microbatch in module.microbatches:
-        layout = MicrobatchLayout.build(module, microbatch.index)
+        layout = build_layout(module, microbatch.index)
         operands = random_operands(layout.num_rows, per_channel=per_channel, seed=microbatch.index)
         program = build_linear_attention_program(layout)
         out = program(*operands, 0.7)
@@ -339,7 +344,7 @@ def test_linear_attention_program_equals_eager_rounds_and_expanded_baseline(case
 
 def test_exported_state_gradients_pass_gradcheck():
     batch = figure_batch()
-    layout = MicrobatchLayout.build(rounded_module(batch, 4), 0)
+    layout = build_layout(rounded_module(batch, 4), 0)
     assert layout.num_exports and layout.num_rounds >= 2
     program = build_linear_attention_program(layout)
     operands = random_operands(layout.num_rows, heads=1, key_dim=2, value_dim=2)
@@ -352,7 +357,7 @@ def test_conv_and_attention_views_equal_expanded_baseline(case, width):
     batch, chunk_size, groups = case
     module = rounded_module(batch, chunk_size, groups)
     for microbatch in module.microbatches:
-        layout = MicrobatchLayout.build(module, microbatch.index)
+        layout = build_layout(module, microbatch.index)
         view = TreeView(layout)
         generator = torch.Generator().manual_seed(width)
         rows = layout.num_rows
@@ -393,7 +398,7 @@ def counting_kernels():
 
 def test_tree_view_runs_the_generated_programs_one_call_per_round():
     batch = figure_batch()
-    layout = MicrobatchLayout.build(rounded_module(batch, 4), 0)
+    layout = build_layout(rounded_module(batch, 4), 0)
     kernels, calls = counting_kernels()
     view = TreeView(layout, 4, kernels=kernels)
     q, k, v, g, beta = random_operands(layout.num_rows)
@@ -410,7 +415,7 @@ def test_tree_view_runs_the_generated_programs_one_call_per_round():
 
 
 def test_render_programs_is_readable_text():
-    layout = MicrobatchLayout.build(rounded_module(figure_batch(), 4), 0)
+    layout = build_layout(rounded_module(figure_batch(), 4), 0)
     text = render_programs(layout)
     for expected in ("def forward(self, q, k, v, log_decay, beta, scale)", "exported_round0", "initial_state",
                      "k_view", "context", "compact_log_probs", "microbatch 0"):

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 import harts
 from harts.runtime import log_probs, log_probs_baseline
-from harts.runtime.logprobs import compact_log_probs
+from harts.numerics import compact_log_probs
 from tests.test_runtime_equivalence import make_plan, tiny_model
 
 

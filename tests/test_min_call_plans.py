@@ -12,6 +12,7 @@ from harts.ir.nodes import Phase
 from harts.ir.verify import verify
 from harts.ir.verify_rounds import verify_rounded
 from harts.passes import PASS_REGISTRY, PassContext
+from harts.passes.manager import run_pipeline
 from harts.passes.min_call_rounds import MinCallRounds, plan_forest
 from harts.passes.segment import SegmentPass
 from tests.strategies import token_trees
@@ -30,8 +31,8 @@ from tests.test_min_call_support import (
 def rounded(token_lists, chunk_size, groups=None):
     batch, module = scheduled_module(token_lists, chunk_size, groups)
     ctx = PassContext(batch=batch)
-    module = SegmentPass().run(module, SegmentPass.Options(), ctx)
-    return batch, MinCallRounds().run(module, MinCallRounds.Options(), ctx)
+    module = SegmentPass().run(module, ctx)
+    return batch, MinCallRounds().run(module, ctx)
 
 
 def execute(token_lists, chunk_size, microbatch):
@@ -227,9 +228,10 @@ def test_multi_tree_microbatch_takes_the_deepest_tree():
 
 
 def test_pass_needs_segments():
+    # the pass manager enforces the input phase; the pass does not check it again
     batch, module = scheduled_module([[1, 2], [1, 3]], 4)
     with pytest.raises(PipelineError, match="min-call-rounds"):
-        MinCallRounds().run(module, MinCallRounds.Options(), PassContext(batch=batch))
+        run_pipeline(module, [MinCallRounds()], PassContext(batch=batch))
 
 
 def test_passes_are_registered():

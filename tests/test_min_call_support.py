@@ -67,7 +67,7 @@ def microbatch_split(draw, count: int, max_groups: int = 3) -> list[tuple[int, .
 def compressed_module(token_lists: Sequence[Sequence[int]], chunk_size: int) -> tuple[RolloutBatch, Module]:
     batch = RolloutBatch.from_trajectories([list(t) for t in token_lists])
     module = lower(batch, chunk_size=chunk_size)
-    module = PrefixCompress().run(module, PrefixCompress.Options(), PassContext(batch=batch))
+    module = PrefixCompress().run(module, PassContext(batch=batch))
     return batch, module
 
 

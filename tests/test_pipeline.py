@@ -10,11 +10,12 @@ import pytest
 import harts
 from harts.errors import IRVerificationError, PipelineError
 from harts.ir.nodes import Module, Phase
-from harts.passes import PASS_REGISTRY, Pass, PassContext, lower, parse_pipeline, pipeline_to_text, register_pass
+from harts.passes import PASS_REGISTRY, Pass, PassContext, PassRegistry, lower, option, parse_pipeline, pipeline_to_text
+from harts.passes.base import PASS_NAME
 from harts.passes.manager import DumpIR, PrintIRAfter, TimePasses, instruments_from_environment, run_pipeline
 
 
-@register_pass
+@attrs.frozen
 class CorruptMultiplicity(Pass):
     """Test-only pass that breaks an invariant, to show verification catches it."""
 
@@ -22,19 +23,24 @@ class CorruptMultiplicity(Pass):
     requires = Phase.COMPRESSED
     produces = Phase.COMPRESSED
 
-    @attrs.frozen
-    class Options:
-        amount: int = 1
-        enabled: bool = True
-        scale: float | None = None
-        label: str = "x"
+    amount: int = option(1)
+    enabled: bool = option(True)
+    scale: float | None = option(None, kind=float)
+    label: str = option("x")
 
-    def run(self, module: Module, options: Options, ctx: PassContext) -> Module:
-        if not options.enabled:
+    def run(self, module: Module, ctx: PassContext) -> Module:
+        if not self.enabled:
             return module
         nodes = list(module.trie.nodes)
-        nodes[0] = attrs.evolve(nodes[0], multiplicity=nodes[0].multiplicity + options.amount)
+        nodes[0] = attrs.evolve(nodes[0], multiplicity=nodes[0].multiplicity + self.amount)
         return attrs.evolve(module, trie=attrs.evolve(module.trie, nodes=tuple(nodes)))
+
+
+@pytest.fixture(autouse=True)
+def corrupt_pass_registered():
+    """The test pass is known to pipelines for one test at a time, never beyond it."""
+    with PASS_REGISTRY.registered(CorruptMultiplicity):
+        yield
 
 
 def small_batch():
@@ -44,11 +50,11 @@ def small_batch():
 def test_pipeline_text_round_trips_with_typed_options():
     invocations = parse_pipeline("prefix-compress, test-corrupt-multiplicity{amount=3,enabled=false,scale=0.5,label=y}")
     assert [i.name for i in invocations] == ["prefix-compress", "test-corrupt-multiplicity"]
-    options = invocations[1].options
-    assert (options.amount, options.enabled, options.scale, options.label) == (3, False, 0.5, "y")
+    corrupt = invocations[1]
+    assert (corrupt.amount, corrupt.enabled, corrupt.scale, corrupt.label) == (3, False, 0.5, "y")
     assert pipeline_to_text(invocations) == "prefix-compress,test-corrupt-multiplicity{amount=3,enabled=false,scale=0.5,label=y}"
     assert parse_pipeline(pipeline_to_text(invocations)) == invocations
-    assert parse_pipeline("test-corrupt-multiplicity{scale=none}")[0].options.scale is None
+    assert parse_pipeline("test-corrupt-multiplicity{scale=none}")[0].scale is None
 
 
 @pytest.mark.parametrize(
@@ -69,7 +75,13 @@ def test_bad_pipelines_are_rejected(text, message):
 def test_every_registered_pass_is_kebab_case_and_ordered():
     for name, pass_class in PASS_REGISTRY.items():
         assert name == pass_class.name
-        assert pass_class.produces >= pass_class.requires
+        assert PASS_NAME.fullmatch(name), name
+        assert pass_class.requires is None or pass_class.produces >= pass_class.requires
+    # the check above can fail: the same pattern rejects names that are not kebab-case
+    for bad in ("Prefix-Compress", "prefix_compress", "-segment", "segment-", "min--call"):
+        assert not PASS_NAME.fullmatch(bad)
+        with pytest.raises(ValueError, match="kebab-case"):
+            PassRegistry({}).register(type("BadlyNamed", (CorruptMultiplicity,), {"name": bad}))
 
 
 def test_verification_after_each_pass_catches_a_bad_pass_and_can_be_switched_off():

@@ -40,7 +40,7 @@ def two_groups(index: PrefixIndex, second: list[int]) -> np.ndarray:
 
 def compressed_index(token_lists) -> PrefixIndex:
     batch = RolloutBatch.from_trajectories(token_lists)
-    module = PrefixCompress().run(lower(batch), PrefixCompress.Options(), PassContext(batch=batch))
+    module = PrefixCompress().run(lower(batch), PassContext(batch=batch))
     return PrefixIndex.from_module(module)
 
 

@@ -134,10 +134,10 @@ def test_over_capacity_or_single_replica_input_is_returned_unchanged():
 def test_partition_option_switches_balancing_off():
     trajectories = [[5] * 10 + [1] * 6, [5] * 10 + [2] * 6, [5] * 10 + [3] * 6, [5] * 10 + [4] * 2, [6] * 9, [6] * 8 + [1]]
     batch = RolloutBatch.from_trajectories(trajectories)
-    module = PrefixCompress().run(lower(batch, capacity=30, dp_size=2), PrefixCompress.Options(), PassContext(batch=batch))
-    on = PartitionMicrobatches().run(module, PartitionMicrobatches.Options(), PassContext())
-    off = PartitionMicrobatches().run(module, PartitionMicrobatches.Options(balance=False), PassContext())
-    assert PartitionMicrobatches.Options().balance is True
+    module = PrefixCompress().run(lower(batch, capacity=30, dp_size=2), PassContext(batch=batch))
+    on = PartitionMicrobatches().run(module, PassContext())
+    off = PartitionMicrobatches(balance=False).run(module, PassContext())
+    assert PartitionMicrobatches().balance is True
     assert sum(mb.work for mb in on.microbatches) <= sum(mb.work for mb in off.microbatches)
 
 

@@ -181,7 +181,7 @@ def test_plan_with_exchange_is_never_worse(trajectories, capacity, dp_size, exte
 
 def test_partition_option_switches_exchange_off():
     from harts.batch import RolloutBatch
-    from harts.passes.base import PassContext, parse_pipeline
+    from harts.passes import PassContext, parse_pipeline
     from harts.passes.lower import lower
     from harts.passes.partition_microbatches import PartitionMicrobatches
     from harts.passes.prefix_compress import PrefixCompress
@@ -189,10 +189,10 @@ def test_partition_option_switches_exchange_off():
     prompt, stem = [7] * 10, [3] * 6
     trajectories = [prompt + [1] * 4, prompt + [2] * 4, prompt + stem + [1], prompt + stem + [2], [9] * 12, [9] * 11 + [1]]
     batch = RolloutBatch.from_trajectories(trajectories)
-    module = PrefixCompress().run(lower(batch, capacity=30, dp_size=2), PrefixCompress.Options(), PassContext(batch=batch))
-    on = PartitionMicrobatches().run(module, PartitionMicrobatches.Options(), PassContext())
-    off = PartitionMicrobatches().run(module, PartitionMicrobatches.Options(exchange=False), PassContext())
-    assert PartitionMicrobatches.Options().exchange is True
+    module = PrefixCompress().run(lower(batch, capacity=30, dp_size=2), PassContext(batch=batch))
+    on = PartitionMicrobatches().run(module, PassContext())
+    off = PartitionMicrobatches(exchange=False).run(module, PassContext())
+    assert PartitionMicrobatches().exchange is True
     assert sum(mb.work for mb in on.microbatches) <= sum(mb.work for mb in off.microbatches)
     (invocation,) = parse_pipeline("partition-microbatches{exchange=false}")
     assert invocation.to_text() == "partition-microbatches{exchange=false}"

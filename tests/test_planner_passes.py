@@ -16,6 +16,7 @@ from harts.ir.verify_plan import verify_partitioned, verify_scheduled
 from harts.passes import PASS_REGISTRY, parse_pipeline
 from harts.passes.base import PassContext
 from harts.passes.lower import lower
+from harts.passes.manager import run_pipeline
 from harts.passes.partition_microbatches import PartitionMicrobatches
 from harts.passes.prefix_compress import PrefixCompress
 from harts.passes.schedule_slots import ScheduleSlots
@@ -26,15 +27,15 @@ from tests.strategies import token_trees
 def compressed(token_lists, capacity=64, dp_size=1):
     batch = RolloutBatch.from_trajectories(token_lists)
     module = lower(batch, capacity=capacity, dp_size=dp_size)
-    return PrefixCompress().run(module, PrefixCompress.Options(), PassContext(batch=batch))
+    return PrefixCompress().run(module, PassContext(batch=batch))
 
 
 def partitioned(module, **options):
-    return PartitionMicrobatches().run(module, PartitionMicrobatches.Options(**options), PassContext())
+    return PartitionMicrobatches(**options).run(module, PassContext())
 
 
 def scheduled(module, **options):
-    return ScheduleSlots().run(partitioned(module, **options), ScheduleSlots.Options(), PassContext())
+    return ScheduleSlots().run(partitioned(module, **options), PassContext())
 
 
 @st.composite
@@ -51,7 +52,7 @@ def test_passes_are_registered_and_parse():
     assert PASS_REGISTRY["partition-microbatches"] is PartitionMicrobatches
     assert PASS_REGISTRY["schedule-slots"] is ScheduleSlots
     (invocation,) = parse_pipeline("partition-microbatches{capacity=4096,dp_size=2,exact_threshold=10,refine=false}")
-    assert invocation.options == PartitionMicrobatches.Options(capacity=4096, dp_size=2, exact_threshold=10, refine=False)
+    assert invocation == PartitionMicrobatches(capacity=4096, dp_size=2, exact_threshold=10, refine=False)
     assert invocation.to_text() == "partition-microbatches{capacity=4096,dp_size=2,exact_threshold=10,refine=false}"
 
 
@@ -70,7 +71,7 @@ def test_pass_outputs_verify(trajectories, capacity, dp_size, exact_threshold, g
     assert all(mb.replica is None and mb.slot is None for mb in first.microbatches)
     assert [mb.index for mb in first.microbatches] == list(range(len(first.microbatches)))
 
-    second = ScheduleSlots().run(first, ScheduleSlots.Options(), PassContext())
+    second = ScheduleSlots().run(first, PassContext())
     assert second.phase == Phase.SCHEDULED
     verify_scheduled(second)
     keys = [(mb.slot, mb.replica) for mb in second.microbatches]
@@ -122,15 +123,16 @@ def test_impossible_microbatch_count_is_explained():
 @pytest.mark.parametrize("option", ["capacity", "dp_size", "exact_threshold", "sample_budget"])
 def test_bad_option_values_are_rejected(option):
     with pytest.raises(PipelineError, match=option):
-        PartitionMicrobatches.Options(**{option: 0})
+        PartitionMicrobatches(**{option: 0})
 
 
 def test_wrong_phase_is_rejected():
+    # the pass manager enforces each pass's input phase; passes do not check it again
     batch = RolloutBatch.from_trajectories([[1, 2], [3]])
     with pytest.raises(PipelineError, match="compressed"):
-        partitioned(lower(batch))
+        run_pipeline(lower(batch), [PartitionMicrobatches()], PassContext())
     with pytest.raises(PipelineError, match="partitioned"):
-        ScheduleSlots().run(compressed([[1, 2], [3]]), ScheduleSlots.Options(), PassContext())
+        run_pipeline(compressed([[1, 2], [3]]), [ScheduleSlots()], PassContext())
 
 
 # --------------------------------------------------------------------------- verifiers
@@ -207,7 +209,7 @@ def test_swe_like_step_plans_verify_and_beat_contiguous_natural_partition(dp_siz
     from harts.workloads import swe_like_step
 
     batch = swe_like_step(seed=3, scale=0.1)
-    module = PrefixCompress().run(lower(batch, capacity=8192, dp_size=dp_size), PrefixCompress.Options(), PassContext(batch=batch))
+    module = PrefixCompress().run(lower(batch, capacity=8192, dp_size=dp_size), PassContext(batch=batch))
     result = scheduled(module, exact_threshold=exact_threshold)
     verify_scheduled(result)
     total = sum(mb.work for mb in result.microbatches)

@@ -17,7 +17,7 @@ from tests.strategies import token_trees
 
 def compress(trajectories):
     batch = RolloutBatch.from_trajectories(trajectories)
-    module = PrefixCompress().run(lower(batch, capacity=10_000), PrefixCompress.Options(), PassContext(batch=batch))
+    module = PrefixCompress().run(lower(batch, capacity=10_000), PassContext(batch=batch))
     verify(module)
     return module
 

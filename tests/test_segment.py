@@ -13,6 +13,7 @@ from harts.ir.prefix_index import PrefixIndex
 from harts.ir.verify import verify
 from harts.ir.verify_rounds import verify_segmented
 from harts.passes import PassContext
+from harts.passes.manager import run_pipeline
 from harts.passes.segment import SegmentPass
 from tests.strategies import token_trees
 from tests.test_min_call_support import compressed_module, forked_trees, microbatch_split, scheduled_module
@@ -20,7 +21,7 @@ from tests.test_min_call_support import compressed_module, forked_trees, microba
 
 def segmented(token_lists, chunk_size=4, groups=None):
     batch, module = scheduled_module(token_lists, chunk_size, groups)
-    return batch, SegmentPass().run(module, SegmentPass.Options(), PassContext(batch=batch))
+    return batch, SegmentPass().run(module, PassContext(batch=batch))
 
 
 def reference_segments(token_lists, members):
@@ -106,16 +107,17 @@ def test_duplicates_take_the_smallest_index():
 
 
 def test_segment_needs_a_scheduled_module():
+    # the pass manager enforces the input phase; the pass does not check it again
     batch, module = compressed_module([[1, 2], [1, 3]], 4)
     with pytest.raises(PipelineError, match="segment"):
-        SegmentPass().run(module, SegmentPass.Options(), PassContext(batch=batch))
+        run_pipeline(module, [SegmentPass()], PassContext(batch=batch))
 
 
 def test_segment_rejects_an_unknown_trajectory():
     batch, module = scheduled_module([[1, 2], [1, 3]], 4)
     broken = attrs.evolve(module, microbatches=(attrs.evolve(module.microbatches[0], trajectories=(0, 5)),))
     with pytest.raises(PlanningError, match="microbatch 0: trajectory 5"):
-        SegmentPass().run(broken, SegmentPass.Options(), PassContext(batch=batch))
+        SegmentPass().run(broken, PassContext(batch=batch))
 
 
 def _with_segments(module, segments):

@@ -2,7 +2,9 @@
 
 The programs are the compiler's executable output: every layer of a kind runs the same
 program with its own tensors (the runtime's :class:`~harts.runtime.tree_view.TreeView`
-calls them), and their code prints with the IR dumps (:func:`render_programs`).
+builds them once per layout, device and kernel set, :mod:`harts.runtime.programs`, and
+calls them), and their code prints with the ``codegen`` stage of an IR dump
+(:func:`render_programs`).
 
 * linear attention ``(q, k, v, log_decay, beta, scale) -> o``: per round one gather of the
   round's rows (replay rows are ancestors' existing rows), one packed chunkwise call, the
@@ -28,13 +30,16 @@ import numpy as np
 import torch
 import torch.fx
 
-from harts.codegen.layout import MicrobatchLayout
+from harts.ir.layout import MicrobatchLayout
+from harts.kernels import dispatch
+from harts.numerics import compact_log_probs
+
+#: The kinds of program a layout lowers to (one per sequence operator, plus log-probs).
+PROGRAM_KINDS = ("linear_attention", "conv", "attention", "log_probs")
 
 
 def default_kernels():
     """The kernel dispatch: fast kernels for CUDA inputs when Triton is present, else the references."""
-    from harts.kernels import dispatch
-
     return dispatch
 
 
@@ -233,8 +238,6 @@ def log_prob_rows(layout: MicrobatchLayout) -> tuple[np.ndarray, np.ndarray, np.
 
 def build_log_prob_program(layout: MicrobatchLayout) -> torch.fx.GraphModule:
     """Compact-to-semantic log-probs (Eq. 17-19) for every member trajectory, member-major."""
-    from harts.runtime.logprobs import compact_log_probs
-
     b = _ProgramBuilder()
     hidden = b.graph.placeholder("hidden")
     input_ids = b.graph.placeholder("input_ids")
@@ -255,25 +258,17 @@ def build_log_prob_program(layout: MicrobatchLayout) -> torch.fx.GraphModule:
     return b.finish((log_probs, entropy), "CompactLogProbs")
 
 
-def cached_program(layout: MicrobatchLayout, kind: str, device: torch.device | str | None = None, kernels=None, **options) -> torch.fx.GraphModule:
-    """The program of ``kind`` ('linear_attention', 'conv', 'attention', 'log_probs') for a layout, built once per device."""
-    key = (kind, tuple(sorted(options.items())), str(device), id(kernels) if kernels is not None else None)
-    program = layout.cache.get(key)
-    if program is None:
-        if kind == "linear_attention":
-            program = build_linear_attention_program(layout, kernels)
-        elif kind == "conv":
-            program = build_conv_program(layout, options["width"], kernels)
-        elif kind == "attention":
-            program = build_attention_program(layout, kernels)
-        elif kind == "log_probs":
-            program = build_log_prob_program(layout)
-        else:
-            raise ValueError(f"unknown program kind {kind!r}; expected linear_attention, conv, attention or log_probs")
-        if device is not None:
-            program = program.to(device)
-        layout.cache[key] = program
-    return program
+def build_program(layout: MicrobatchLayout, kind: str, kernels=None, **options) -> torch.fx.GraphModule:
+    """The program of ``kind`` (one of :data:`PROGRAM_KINDS`) for a layout; ``conv`` takes ``width``."""
+    if kind == "linear_attention":
+        return build_linear_attention_program(layout, kernels)
+    if kind == "conv":
+        return build_conv_program(layout, options["width"], kernels)
+    if kind == "attention":
+        return build_attention_program(layout, kernels)
+    if kind == "log_probs":
+        return build_log_prob_program(layout)
+    raise ValueError(f"unknown program kind {kind!r}; expected one of {', '.join(PROGRAM_KINDS)}")
 
 
 def _describe(program: torch.fx.GraphModule) -> str:

@@ -1,5 +1,6 @@
-"""The tree IR: nodes, text form, verification, prefix queries."""
+"""The tree IR: nodes (the laid-out phase's layouts included), text form, verification, prefix queries."""
 
+from harts.ir.layout import LaidOutModule, MicrobatchLayout
 from harts.ir.nodes import (
     CompactTrie,
     InputSequence,
@@ -17,7 +18,9 @@ from harts.ir.prefix_index import PrefixIndex
 __all__ = [
     "CompactTrie",
     "InputSequence",
+    "LaidOutModule",
     "Microbatch",
+    "MicrobatchLayout",
     "Module",
     "Phase",
     "PrefixIndex",

@@ -13,11 +13,18 @@ Phases, in order, and what each adds (the pass that adds it in brackets):
 * ``scheduled``    a DP replica and a slot for every microbatch       [schedule-slots]
 * ``segmented``    each microbatch's segment forest on the chunk grid [segment]
 * ``rounded``      each microbatch's execution rounds (Alg. 1)        [min-call-rounds]
+* ``laid_out``     each microbatch's compact physical layout (§4.2)   [codegen]
+
+The first six phases are phases of one root, :class:`Module`. Code generation changes the
+root: a :class:`~harts.ir.layout.LaidOutModule` holds the rounded module and one
+:class:`~harts.ir.layout.MicrobatchLayout` per microbatch, the index arrays the runtime
+executes.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 
 import attrs
 
@@ -29,6 +36,7 @@ class Phase(enum.IntEnum):
     SCHEDULED = 3
     SEGMENTED = 4
     ROUNDED = 5
+    LAID_OUT = 6
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -86,6 +94,17 @@ class CompactTrie:
             nodes.append(self.nodes[node])
             node = self.nodes[node].parent
         return nodes[::-1]
+
+    def used_nodes(self, trajectories: Iterable[int]) -> list[int]:
+        """Ids of the nodes on the paths of ``trajectories``, ascending (= preorder)."""
+        used: set[int] = set()
+        for trajectory in trajectories:
+            node = self.leaf[trajectory]
+            # Paths share their upper part; stop at the first node another path already marked.
+            while node >= 0 and node not in used:
+                used.add(node)
+                node = self.nodes[node].parent
+        return sorted(used)
 
     def segment_starts(self) -> list[bool]:
         """For every node: does a maximal fork-free segment begin there (a root, or a child of a fork)?"""
@@ -201,7 +220,7 @@ class Module:
     microbatches: tuple[Microbatch, ...] | None = None
 
 
-#: Every IR node class, by name (the printer and parser use it).
+#: Every node class of the module phases, by name (the printer and parser use it, with the layout's).
 NODE_CLASSES: dict[str, type] = {
     cls.__name__: cls
     for cls in (Trajectory, TrieNode, CompactTrie, Segment, StateRef, InputSequence, Round, Microbatch, Module)

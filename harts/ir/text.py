@@ -1,13 +1,17 @@
 """Canonical text form of the IR: deterministic, human-readable, and parsed back exactly.
 
-Grammar (whitespace-insensitive)::
+Grammar (whitespace-insensitive; ``//`` starts a comment that runs to the end of the line)::
 
-    value := INT | STRING | 'none' | 'true' | 'false' | PHASE | list | node
+    value := INT | STRING | 'none' | 'true' | 'false' | PHASE | list | node | array
     list  := '[' (value (',' value)*)? ']'
     node  := NAME '(' (FIELD '=' value (',' FIELD '=' value)*)? ')'
+    array := 'Runs' '(' 'start' '=' list ',' 'step' '=' list ',' 'length' '=' list ')'
 
 Nodes print every field in declaration order; lists of nodes put one node per line,
-lists of scalars stay on one line. ``parse(print_ir(m)) == m`` for every module.
+lists of scalars stay on one line. An int64 array of a layout prints as a list, or as its
+arithmetic runs (:class:`~harts.ir.layout.ArithmeticRuns`) when they are shorter. ``parse(print_ir(m)) == m``
+for every module and every laid-out module. Comments carry what is derived and only shown,
+such as the programs generated from a layout in an IR dump.
 """
 
 from __future__ import annotations
@@ -17,11 +21,16 @@ import re
 from typing import Any
 
 import attrs
+import numpy as np
 
 from harts.errors import IRParseError
-from harts.ir.nodes import NODE_CLASSES, Phase
+from harts.ir.layout import LAYOUT_NODE_CLASSES, ArithmeticRuns
+from harts.ir.nodes import NODE_CLASSES as MODULE_NODE_CLASSES
+from harts.ir.nodes import Phase
 
+NODE_CLASSES: dict[str, type] = {**MODULE_NODE_CLASSES, **LAYOUT_NODE_CLASSES}
 _INDENT = "  "
+_ARRAY = "Runs"
 
 
 def print_ir(value: Any) -> str:
@@ -40,6 +49,11 @@ def _render(value: Any, depth: int) -> str:
         return str(value)
     if isinstance(value, str):
         return json.dumps(value)
+    if isinstance(value, np.ndarray):
+        runs = ArithmeticRuns.encode(value)
+        if value.size <= max(16, 3 * len(runs.start)):  # short, or no longer than its runs: entries read better
+            return _render(tuple(int(v) for v in value), depth)
+        return f"{_ARRAY}(start={_render(runs.start, depth)}, step={_render(runs.step, depth)}, length={_render(runs.length, depth)})"
     if isinstance(value, tuple):
         if not value:
             return "[]"
@@ -60,7 +74,7 @@ def _render(value: Any, depth: int) -> str:
 
 
 _TOKEN = re.compile(
-    r"""\s*(?:
+    r"""(?:\s|//[^\n]*)*(?:
         (?P<int>-?\d+)
       | (?P<string>"(?:[^"\\]|\\.)*")
       | (?P<name>[A-Za-z_][A-Za-z0-9_]*)
@@ -69,6 +83,7 @@ _TOKEN = re.compile(
     re.VERBOSE,
 )
 
+_BLANK = re.compile(r"(?:\s|//[^\n]*)*")
 _PHASES = {str(phase): phase for phase in Phase}
 
 
@@ -77,7 +92,7 @@ class _Parser:
         self.tokens: list[tuple[str, str, int]] = []
         position = 0
         while position < len(text):
-            if text[position:].strip() == "":
+            if _BLANK.fullmatch(text, position):
                 break
             match = _TOKEN.match(text, position)
             if match is None:
@@ -123,6 +138,12 @@ class _Parser:
                 return text == "true"
             if text in _PHASES and self.peek()[1] != "(":
                 return _PHASES[text]
+            if text == _ARRAY:
+                runs = self.node(ArithmeticRuns, offset)
+                try:
+                    return runs.decode()
+                except Exception as error:  # decoding reports bad runs with several types
+                    raise IRParseError(f"array at offset {offset}: {error}") from None
             if text in NODE_CLASSES:
                 return self.node(NODE_CLASSES[text], offset)
             raise IRParseError(f"unknown name {text!r} at offset {offset}")

@@ -9,50 +9,46 @@ microbatches), and microbatches are listed by (slot, replica).
 
 from __future__ import annotations
 
-from harts.errors import IRVerificationError
 from harts.ir.nodes import Module
 from harts.ir.prefix_index import PrefixIndex
-
-
-def _fail(message: str) -> None:
-    raise IRVerificationError(message)
+from harts.ir.verify_common import fail
 
 
 def verify_partitioned(module: Module) -> None:
     microbatches = module.microbatches
     if microbatches is None:
-        _fail(f"phase {module.phase} needs microbatches")
+        fail(f"phase {module.phase} needs microbatches")
     if module.trie is None:
-        _fail(f"phase {module.phase} needs a compact trie")
+        fail(f"phase {module.phase} needs a compact trie")
     count = len(module.trajectories)
     owner: dict[int, int] = {}
     for position, mb in enumerate(microbatches):
         if mb.index != position:
-            _fail(f"microbatch at position {position} has index {mb.index}; indices must be 0..K-1 in order")
+            fail(f"microbatch at position {position} has index {mb.index}; indices must be 0..K-1 in order")
         if not mb.trajectories:
-            _fail(f"microbatch {mb.index} holds no trajectories")
+            fail(f"microbatch {mb.index} holds no trajectories")
         previous = -1
         for trajectory in mb.trajectories:
             if not 0 <= trajectory < count:
-                _fail(f"microbatch {mb.index}: trajectory {trajectory} does not exist (the batch has {count})")
+                fail(f"microbatch {mb.index}: trajectory {trajectory} does not exist (the batch has {count})")
             if trajectory <= previous:
-                _fail(f"microbatch {mb.index}: trajectories must be ascending batch indices, got {trajectory} after {previous}")
+                fail(f"microbatch {mb.index}: trajectories must be ascending batch indices, got {trajectory} after {previous}")
             previous = trajectory
             if trajectory in owner:
-                _fail(f"trajectory {trajectory} is in microbatch {owner[trajectory]} and microbatch {mb.index}")
+                fail(f"trajectory {trajectory} is in microbatch {owner[trajectory]} and microbatch {mb.index}")
             owner[trajectory] = mb.index
     if len(owner) != count:
         missing = next(i for i in range(count) if i not in owner)
-        _fail(f"trajectory {missing} is in no microbatch")
+        fail(f"trajectory {missing} is in no microbatch")
     index = PrefixIndex.from_module(module)
     for mb in microbatches:
         work = index.subset_work(mb.trajectories)
         if mb.work != work:
-            _fail(f"microbatch {mb.index}: work is {mb.work} but its trajectories hold {work} compact tokens")
+            fail(f"microbatch {mb.index}: work is {mb.work} but its trajectories hold {work} compact tokens")
         if work > module.capacity:
-            _fail(f"microbatch {mb.index}: work {work} exceeds the capacity {module.capacity}")
+            fail(f"microbatch {mb.index}: work {work} exceeds the capacity {module.capacity}")
     if len(microbatches) % module.dp_size:
-        _fail(f"{len(microbatches)} microbatches is not a multiple of dp_size {module.dp_size}")
+        fail(f"{len(microbatches)} microbatches is not a multiple of dp_size {module.dp_size}")
 
 
 def verify_scheduled(module: Module) -> None:
@@ -64,15 +60,15 @@ def verify_scheduled(module: Module) -> None:
     previous: tuple[int, int] | None = None
     for mb in microbatches:
         if mb.replica is None or mb.slot is None:
-            _fail(f"microbatch {mb.index} has no replica/slot")
+            fail(f"microbatch {mb.index} has no replica/slot")
         if not 0 <= mb.replica < dp_size:
-            _fail(f"microbatch {mb.index}: replica {mb.replica} outside 0..{dp_size - 1}")
+            fail(f"microbatch {mb.index}: replica {mb.replica} outside 0..{dp_size - 1}")
         if not 0 <= mb.slot < slots:
-            _fail(f"microbatch {mb.index}: slot {mb.slot} outside 0..{slots - 1} (K/D = {slots} slots)")
+            fail(f"microbatch {mb.index}: slot {mb.slot} outside 0..{slots - 1} (K/D = {slots} slots)")
         key = (mb.replica, mb.slot)
         if key in seen:
-            _fail(f"microbatches {seen[key]} and {mb.index} both run on replica {mb.replica} in slot {mb.slot}")
+            fail(f"microbatches {seen[key]} and {mb.index} both run on replica {mb.replica} in slot {mb.slot}")
         seen[key] = mb.index
         if previous is not None and (mb.slot, mb.replica) <= previous:
-            _fail(f"microbatch {mb.index} (slot {mb.slot}, replica {mb.replica}) is out of (slot, replica) order")
+            fail(f"microbatch {mb.index} (slot {mb.slot}, replica {mb.replica}) is out of (slot, replica) order")
         previous = (mb.slot, mb.replica)

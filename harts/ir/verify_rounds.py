@@ -15,30 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from harts.errors import IRVerificationError
-from harts.ir.nodes import CompactTrie, InputSequence, Microbatch, Module, Phase, Segment
+from harts.ir.nodes import CompactTrie, InputSequence, Microbatch, Module, Phase
 from harts.ir.prefix_index import PrefixIndex
-
-
-def _fail(message: str) -> None:
-    raise IRVerificationError(message)
-
-
-def _used_nodes(trie: CompactTrie, trajectories: Sequence[int]) -> set[int]:
-    used: set[int] = set()
-    for trajectory in trajectories:
-        node = trie.leaf[trajectory]
-        while node >= 0 and node not in used:
-            used.add(node)
-            node = trie.nodes[node].parent
-    return used
+from harts.ir.verify_common import fail
 
 
 def _check_microbatch_members(module: Module, microbatch: Microbatch) -> None:
     count = len(module.trajectories)
     for trajectory in microbatch.trajectories:
         if not 0 <= trajectory < count:
-            _fail(f"microbatch {microbatch.index}: trajectory {trajectory} is not in the batch ({count} trajectories)")
+            fail(f"microbatch {microbatch.index}: trajectory {trajectory} is not in the batch ({count} trajectories)")
 
 
 def _verify_segments(module: Module, microbatch: Microbatch) -> None:
@@ -47,9 +33,9 @@ def _verify_segments(module: Module, microbatch: Microbatch) -> None:
     where = f"microbatch {microbatch.index}"
     segments = microbatch.segments
     if not segments:
-        _fail(f"{where}: phase {module.phase} needs a non-empty segment forest")
+        fail(f"{where}: phase {module.phase} needs a non-empty segment forest")
     _check_microbatch_members(module, microbatch)
-    used = _used_nodes(trie, microbatch.trajectories)
+    used = set(trie.used_nodes(microbatch.trajectories))
     smallest_through: dict[int, int] = {}
     for trajectory in microbatch.trajectories:
         node = trie.leaf[trajectory]
@@ -68,72 +54,72 @@ def _verify_segments(module: Module, microbatch: Microbatch) -> None:
     for position, segment in enumerate(segments):
         here = f"{where}, segment {position}"
         if segment.id != position:
-            _fail(f"{here}: id {segment.id}, segments must be numbered 0..n-1 in order")
+            fail(f"{here}: id {segment.id}, segments must be numbered 0..n-1 in order")
         if not segment.nodes:
-            _fail(f"{here}: merges no trie nodes")
+            fail(f"{here}: merges no trie nodes")
         for node in segment.nodes:
             if node not in used:
-                _fail(f"{here}: trie node {node} is not on the path of any trajectory of the microbatch")
+                fail(f"{here}: trie node {node} is not on the path of any trajectory of the microbatch")
             if node in owner:
-                _fail(f"{here}: trie node {node} also belongs to segment {owner[node]}")
+                fail(f"{here}: trie node {node} also belongs to segment {owner[node]}")
             owner[node] = segment.id
         for upper, lower in zip(segment.nodes[:-1], segment.nodes[1:]):
             if nodes[lower].parent != upper:
-                _fail(f"{here}: trie node {lower} does not continue trie node {upper}")
+                fail(f"{here}: trie node {lower} does not continue trie node {upper}")
             if used_child_count[upper] != 1:
-                _fail(f"{here}: the microbatch forks inside the segment, at trie node {upper}")
+                fail(f"{here}: the microbatch forks inside the segment, at trie node {upper}")
         first, last = nodes[segment.nodes[0]], nodes[segment.nodes[-1]]
         if used_child_count[last.id] == 1:
-            _fail(f"{here}: not maximal, trie node {last.id} has a single used child and no fork")
+            fail(f"{here}: not maximal, trie node {last.id} has a single used child and no fork")
         if (segment.start, segment.end) != (first.start, last.end):
-            _fail(f"{here}: span [{segment.start}, {segment.end}) differs from its trie nodes' span [{first.start}, {last.end})")
+            fail(f"{here}: span [{segment.start}, {segment.end}) differs from its trie nodes' span [{first.start}, {last.end})")
         if first.id <= previous_first:
-            _fail(f"{here}: segments are not in preorder (first trie node {first.id} after {previous_first})")
+            fail(f"{here}: segments are not in preorder (first trie node {first.id} after {previous_first})")
         previous_first = first.id
         if segment.parent == -1:
             if first.parent != -1:
-                _fail(f"{here}: root segment starts at trie node {first.id}, which has parent {first.parent}")
+                fail(f"{here}: root segment starts at trie node {first.id}, which has parent {first.parent}")
         else:
             if not 0 <= segment.parent < segment.id:
-                _fail(f"{here}: parent {segment.parent} must be an earlier segment (preorder)")
+                fail(f"{here}: parent {segment.parent} must be an earlier segment (preorder)")
             if segments[segment.parent].nodes[-1] != first.parent:
-                _fail(f"{here}: parent segment {segment.parent} does not end at trie node {first.parent}, the parent of its first node")
+                fail(f"{here}: parent segment {segment.parent} does not end at trie node {first.parent}, the parent of its first node")
             child_count[segment.parent] += 1
         if segment.trajectory != smallest_through[last.id]:
-            _fail(
+            fail(
                 f"{here}: representative trajectory {segment.trajectory}, expected {smallest_through[last.id]} "
                 f"(the smallest member through trie node {last.id})"
             )
     missing = sorted(used - owner.keys())
     if missing:
-        _fail(f"{where}: trie node {missing[0]} of trajectory paths belongs to no segment")
+        fail(f"{where}: trie node {missing[0]} of trajectory paths belongs to no segment")
     for segment in segments:
         if child_count[segment.id] != used_child_count[segment.nodes[-1]]:
-            _fail(f"{where}, segment {segment.id}: {child_count[segment.id]} child segments but the trie forks into {used_child_count[segment.nodes[-1]]}")
+            fail(f"{where}, segment {segment.id}: {child_count[segment.id]} child segments but the trie forks into {used_child_count[segment.nodes[-1]]}")
     rows = sum(segment.end - segment.start for segment in segments)
     if rows != microbatch.work:
-        _fail(f"{where}: segments hold {rows} compact rows but the microbatch work is {microbatch.work}")
+        fail(f"{where}: segments hold {rows} compact rows but the microbatch work is {microbatch.work}")
 
 
 def verify_segmented(module: Module) -> None:
     """Segments partition every microbatch's trajectory paths into maximal fork-free paths."""
     if module.trie is None or module.microbatches is None:
-        _fail(f"phase {module.phase} needs a compact trie and microbatches")
+        fail(f"phase {module.phase} needs a compact trie and microbatches")
     for microbatch in module.microbatches:
         if microbatch.segments is None:
-            _fail(f"microbatch {microbatch.index}: phase {module.phase} needs segments")
+            fail(f"microbatch {microbatch.index}: phase {module.phase} needs segments")
         if module.phase < Phase.ROUNDED and (microbatch.rounds is not None or microbatch.replay_tokens is not None):
-            _fail(f"microbatch {microbatch.index}: phase {module.phase} must not carry rounds or replay tokens")
+            fail(f"microbatch {microbatch.index}: phase {module.phase} must not carry rounds or replay tokens")
         _verify_segments(module, microbatch)
 
 
-def eq15_replay(segments: Sequence[Segment], chunk_size: int) -> int:
-    """R of Eq. 15 from a segment forest."""
-    child_count = [0] * len(segments)
-    for segment in segments:
-        if segment.parent >= 0:
-            child_count[segment.parent] += 1
-    return sum((k - 1) * (segments[v].end % chunk_size) for v, k in enumerate(child_count) if k > 0)
+def mandatory_replay(parents: Sequence[int], ends: Sequence[int], chunk_size: int) -> int:
+    """R of Eq. 15 for a segment forest: every side branch of v replays ``e_v mod B`` rows."""
+    child_count = [0] * len(parents)
+    for parent in parents:
+        if parent >= 0:
+            child_count[parent] += 1
+    return sum((k - 1) * (ends[v] % chunk_size) for v, k in enumerate(child_count) if k > 0)
 
 
 def _output_rows(trie: CompactTrie, trajectory: int, start: int, end: int) -> list[tuple[int, int]]:
@@ -157,9 +143,9 @@ def _verify_rounds(module: Module, microbatch: Microbatch, prefixes: PrefixIndex
     segments = microbatch.segments
     where = f"microbatch {microbatch.index}"
     if microbatch.rounds is None or microbatch.replay_tokens is None:
-        _fail(f"{where}: phase {module.phase} needs rounds and replay_tokens")
+        fail(f"{where}: phase {module.phase} needs rounds and replay_tokens")
     if not microbatch.rounds:
-        _fail(f"{where}: has no rounds")
+        fail(f"{where}: has no rounds")
     members = set(microbatch.trajectories)
     children: list[list[int]] = [[] for _ in segments]
     for segment in segments:
@@ -171,7 +157,7 @@ def _verify_rounds(module: Module, microbatch: Microbatch, prefixes: PrefixIndex
         for sequence in round_.sequences:
             key = (round_.index, sequence.trajectory)
             if key in by_producer:
-                _fail(f"{where}, round {round_.index}: two sequences name trajectory {sequence.trajectory}")
+                fail(f"{where}, round {round_.index}: two sequences name trajectory {sequence.trajectory}")
             by_producer[key] = sequence
 
     executed: dict[int, int] = {}
@@ -180,107 +166,107 @@ def _verify_rounds(module: Module, microbatch: Microbatch, prefixes: PrefixIndex
     replay_total = 0
     for position, round_ in enumerate(microbatch.rounds):
         if round_.index != position:
-            _fail(f"{where}: round at position {position} has index {round_.index}; rounds are numbered from 0")
+            fail(f"{where}: round at position {position} has index {round_.index}; rounds are numbered from 0")
         if not round_.sequences:
-            _fail(f"{where}, round {round_.index}: holds no input sequence")
+            fail(f"{where}, round {round_.index}: holds no input sequence")
         for sequence in round_.sequences:
             here = f"{where}, round {round_.index}, trajectory {sequence.trajectory}"
             if sequence.trajectory not in members:
-                _fail(f"{here}: the trajectory is not a member of the microbatch")
+                fail(f"{here}: the trajectory is not a member of the microbatch")
             length = module.trajectories[sequence.trajectory].length
             if not 0 <= sequence.replay_start <= sequence.start < sequence.end <= length:
-                _fail(
+                fail(
                     f"{here}: needs 0 <= replay_start {sequence.replay_start} <= start {sequence.start} "
                     f"< end {sequence.end} <= length {length}"
                 )
             if sequence.replay_start % chunk:
-                _fail(f"{here}: replay_start {sequence.replay_start} is not a multiple of the chunk size {chunk}")
+                fail(f"{here}: replay_start {sequence.replay_start} is not a multiple of the chunk size {chunk}")
             if sequence.start - sequence.replay_start >= chunk:
-                _fail(f"{here}: replays {sequence.start - sequence.replay_start} rows, must be fewer than the chunk size {chunk}")
+                fail(f"{here}: replays {sequence.start - sequence.replay_start} rows, must be fewer than the chunk size {chunk}")
             replay_total += sequence.start - sequence.replay_start
 
             if not sequence.segments:
-                _fail(f"{here}: runs no segments")
+                fail(f"{here}: runs no segments")
             for segment_id in sequence.segments:
                 if not 0 <= segment_id < len(segments):
-                    _fail(f"{here}: segment {segment_id} does not exist")
+                    fail(f"{here}: segment {segment_id} does not exist")
                 if segment_id in executed:
-                    _fail(f"{here}: segment {segment_id} is also run in round {executed[segment_id]}")
+                    fail(f"{here}: segment {segment_id} is also run in round {executed[segment_id]}")
                 executed[segment_id] = round_.index
             chain = [segments[s] for s in sequence.segments]
             for upper, lower in zip(chain[:-1], chain[1:]):
                 if lower.parent != upper.id:
-                    _fail(f"{here}: segment {lower.id} does not continue segment {upper.id}")
+                    fail(f"{here}: segment {lower.id} does not continue segment {upper.id}")
             if children[chain[-1].id]:
-                _fail(f"{here}: its last segment {chain[-1].id} is not a leaf segment")
+                fail(f"{here}: its last segment {chain[-1].id} is not a leaf segment")
             if (sequence.start, sequence.end) != (chain[0].start, chain[-1].end):
-                _fail(f"{here}: span [{sequence.start}, {sequence.end}) differs from its segments' [{chain[0].start}, {chain[-1].end})")
+                fail(f"{here}: span [{sequence.start}, {sequence.end}) differs from its segments' [{chain[0].start}, {chain[-1].end})")
             if sequence.trajectory != chain[-1].trajectory:
-                _fail(f"{here}: should name the leaf segment's representative trajectory {chain[-1].trajectory}")
+                fail(f"{here}: should name the leaf segment's representative trajectory {chain[-1].trajectory}")
 
             if sequence.state_from is None:
                 if sequence.replay_start != 0:
-                    _fail(f"{here}: starts from the zero state but replays from {sequence.replay_start}, not 0")
+                    fail(f"{here}: starts from the zero state but replays from {sequence.replay_start}, not 0")
             else:
                 source = sequence.state_from
                 if source.position != sequence.replay_start:
-                    _fail(f"{here}: state_from position {source.position} differs from replay_start {sequence.replay_start}")
+                    fail(f"{here}: state_from position {source.position} differs from replay_start {sequence.replay_start}")
                 if source.round >= round_.index:
-                    _fail(
+                    fail(
                         f"{here}: starts from a state of round {source.round}, which is not ready before round {round_.index}"
                     )
                 producer = by_producer.get((source.round, source.trajectory))
                 if producer is None:
-                    _fail(f"{here}: no sequence of trajectory {source.trajectory} runs in round {source.round}")
+                    fail(f"{here}: no sequence of trajectory {source.trajectory} runs in round {source.round}")
                 if source.position not in producer.exports:
-                    _fail(
+                    fail(
                         f"{here}: state at {source.position} is not exported by trajectory {source.trajectory} "
                         f"in round {source.round} (exports {list(producer.exports)})"
                     )
                 shared = prefixes.lcp_trajectories(source.trajectory, sequence.trajectory)
                 if shared < source.position:
-                    _fail(
+                    fail(
                         f"{here}: shares only {shared} tokens with trajectory {source.trajectory}, "
                         f"so its state at {source.position} is another prefix's"
                     )
                 requested.add((source.round, source.trajectory, source.position))
             if sequence.start == 0 and sequence.state_from is not None:
-                _fail(f"{here}: a root sequence must start from the zero state")
+                fail(f"{here}: a root sequence must start from the zero state")
             covered.extend(_output_rows(trie, sequence.trajectory, sequence.start, sequence.end))
 
     for round_ in microbatch.rounds:
         for sequence in round_.sequences:
             here = f"{where}, round {round_.index}, trajectory {sequence.trajectory}"
             if list(sequence.exports) != sorted(set(sequence.exports)):
-                _fail(f"{here}: exports {list(sequence.exports)} must be ascending without repeats")
+                fail(f"{here}: exports {list(sequence.exports)} must be ascending without repeats")
             for export in sequence.exports:
                 if export % chunk or not sequence.replay_start < export <= sequence.end:
-                    _fail(
+                    fail(
                         f"{here}: export {export} must be a multiple of {chunk} in "
                         f"({sequence.replay_start}, {sequence.end}]"
                     )
                 if (round_.index, sequence.trajectory, export) not in requested:
-                    _fail(f"{here}: exports the state at {export} but no later sequence starts from it")
+                    fail(f"{here}: exports the state at {export} but no later sequence starts from it")
 
     unexecuted = sorted(set(range(len(segments))) - executed.keys())
     if unexecuted:
-        _fail(f"{where}: segment {unexecuted[0]} is run by no input sequence")
+        fail(f"{where}: segment {unexecuted[0]} is run by no input sequence")
     expected_rows = sorted(
         (trie.nodes[n].row, trie.nodes[n].row + trie.nodes[n].end - trie.nodes[n].start)
-        for n in _used_nodes(trie, microbatch.trajectories)
+        for n in trie.used_nodes(microbatch.trajectories)
     )
     covered.sort()
     cursor = 0
     merged_expected = _merge(expected_rows)
     for low, high in covered:
         if low < cursor:
-            _fail(f"{where}: compact row {low} is output more than once")
+            fail(f"{where}: compact row {low} is output more than once")
         cursor = high
     if _merge(covered) != merged_expected:
-        _fail(f"{where}: the outputs do not cover exactly the microbatch's compact rows")
-    expected_replay = eq15_replay(segments, chunk)
+        fail(f"{where}: the outputs do not cover exactly the microbatch's compact rows")
+    expected_replay = mandatory_replay([s.parent for s in segments], [s.end for s in segments], chunk)
     if replay_total != expected_replay or microbatch.replay_tokens != expected_replay:
-        _fail(
+        fail(
             f"{where}: replay_tokens {microbatch.replay_tokens}, sequences replay {replay_total}, "
             f"Eq. 15 gives {expected_replay}"
         )
@@ -299,9 +285,9 @@ def _merge(intervals: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
 def verify_rounded(module: Module) -> None:
     """Rounds respect state readiness, replay < B on the grid, each compact row output once, R = Eq. 15."""
     if module.trie is None or module.microbatches is None:
-        _fail(f"phase {module.phase} needs a compact trie and microbatches")
+        fail(f"phase {module.phase} needs a compact trie and microbatches")
     prefixes = PrefixIndex.from_module(module)
     for microbatch in module.microbatches:
         if microbatch.segments is None:
-            _fail(f"microbatch {microbatch.index}: phase {module.phase} needs segments")
+            fail(f"microbatch {microbatch.index}: phase {module.phase} needs segments")
         _verify_rounds(module, microbatch, prefixes)

@@ -1,9 +1,21 @@
-"""Named passes of the HARTS compiler. Importing this package registers every pass."""
+"""Named passes of the HARTS compiler, their lazy registry, pipelines and the pass manager.
 
-from harts.passes import prefix_compress  # noqa: F401  (registers)
-from harts.passes import partition_microbatches, schedule_slots  # noqa: F401
-from harts.passes.base import PASS_REGISTRY, Pass, PassContext, PassInvocation, parse_pipeline, pipeline_to_text, register_pass
+Importing this package imports no pass: :data:`PASS_REGISTRY` loads each built-in pass from
+its module the first time it is looked up.
+"""
+
+from harts.passes.base import Pass, PassContext, option
 from harts.passes.lower import lower
-from harts.passes import segment, min_call_rounds  # noqa: F401
+from harts.passes.registry import PASS_REGISTRY, PassRegistry, parse_pipeline, pipeline_to_text, register_pass
 
-__all__ = ["PASS_REGISTRY", "Pass", "PassContext", "PassInvocation", "lower", "parse_pipeline", "pipeline_to_text", "register_pass"]
+__all__ = [
+    "PASS_REGISTRY",
+    "Pass",
+    "PassContext",
+    "PassRegistry",
+    "lower",
+    "option",
+    "parse_pipeline",
+    "pipeline_to_text",
+    "register_pass",
+]

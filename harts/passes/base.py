@@ -1,88 +1,108 @@
-"""Passes, their registry, pipelines as data and as text.
+"""Passes and pipelines, as data and as text.
 
-A pass is a class with a kebab-case ``name``, the phase it ``requires`` and the phase it
-``produces``, an attrs ``Options`` class (typed, with defaults) and a pure
-``run(module, options, ctx) -> Module`` that never mutates its input.
+A pass is a frozen attrs class: its fields are its typed options (declared with
+:func:`option`), its class variables say what it is:
 
-Pipeline text: ``pass-a,pass-b{key=value,key=value},pass-c``.
+* ``name``: kebab-case, the name pipelines and dumps use;
+* ``requires``: the phase its input must have reached (None for ``lower``, which starts
+  from the batch in the context and takes no module);
+* ``produces``: the phase of its output, exactly;
+* ``run(module, ctx) -> result``: pure, never mutates its input.
+
+The pass manager (:func:`harts.passes.manager.run_pipeline`) enforces ``requires`` and
+``produces`` and verifies every output, so a pass checks neither its input phase nor its
+output. A pipeline is a sequence of pass instances; its text form
+(:func:`harts.passes.registry.parse_pipeline`) is ``pass-a,pass-b{key=value},pass-c`` and
+lists only the options that differ from their defaults.
 """
 
 from __future__ import annotations
 
-import logging
 import re
-import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import attrs
 
+from harts.batch import RolloutBatch
 from harts.errors import PipelineError
+from harts.ir.layout import LaidOutModule
 from harts.ir.nodes import Module, Phase
+from harts.ir.text import print_ir
+from harts.options import DEFAULT_OPTIONS, CompileOptions
 
-logger = logging.getLogger(__name__)
+__all__ = ["PASS_NAME", "Pass", "PassContext", "Stage", "option"]
 
-PASS_REGISTRY: dict[str, type["Pass"]] = {}
+#: What flows through a pipeline: nothing before ``lower``, a Module, or (after ``codegen``) a LaidOutModule.
+Stage = Module | LaidOutModule
 
+PASS_NAME = re.compile(r"[a-z][a-z0-9]*(-[a-z0-9]+)*")
 
-class Pass:
-    """Base class; subclasses set ``name``, ``requires``, ``produces``, ``Options`` and ``run``."""
-
-    name: ClassVar[str]
-    requires: ClassVar[Phase]
-    produces: ClassVar[Phase]
-    summary: ClassVar[str] = ""
-
-    @attrs.frozen
-    class Options:
-        pass
-
-    def run(self, module: Module, options: Any, ctx: "PassContext") -> Module:  # pragma: no cover - abstract
-        raise NotImplementedError
+_TEXT_KINDS = (bool, int, float, str)
+_TRUE, _FALSE = ("true", "1"), ("false", "0")
 
 
-def register_pass(cls: type[Pass]) -> type[Pass]:
-    """Class decorator: add a pass to the registry under its ``name``."""
-    if not re.fullmatch(r"[a-z][a-z0-9]*(-[a-z0-9]+)*", cls.name):
-        raise ValueError(f"pass name {cls.name!r} is not kebab-case")
-    if cls.name in PASS_REGISTRY and PASS_REGISTRY[cls.name] is not cls:
-        raise ValueError(f"pass {cls.name!r} is registered twice")
-    PASS_REGISTRY[cls.name] = cls
-    return cls
-
-
-@attrs.define
-class PassContext:
-    """What a pass may read besides the IR: the batch (tokens live there) and a progress hook."""
-
-    batch: Any = None
-    progress: Callable[[str, float], None] | None = None
-
-    def report(self, what: str, fraction: float) -> None:
-        if self.progress is not None:
-            self.progress(what, fraction)
+def _kind_name(kind: type) -> str:
+    return {bool: "boolean", int: "integer", float: "number", str: "string"}[kind]
 
 
 @attrs.frozen
-class PassInvocation:
-    """One pipeline entry: a registered pass name and its options."""
+class _OptionCheck:
+    """attrs validator of one option: its kind, None when optional, and a lower bound."""
 
-    name: str
-    options: Any
+    kind: type
+    optional: bool
+    minimum: float | None
 
-    def to_text(self) -> str:
-        defaults = _options_class(self.name)()
-        changed = [
-            (field.name, getattr(self.options, field.name))
-            for field in attrs.fields(type(self.options))
-            if getattr(self.options, field.name) != getattr(defaults, field.name)
-        ]
-        if not changed:
-            return self.name
-        return self.name + "{" + ",".join(f"{k}={_format_option(v)}" for k, v in changed) + "}"
+    def __call__(self, instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is None and self.optional:
+            return
+        valid = isinstance(value, self.kind) and not (self.kind is not bool and isinstance(value, bool))
+        if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
+            valid = True
+        if valid and self.minimum is not None and value < self.minimum:
+            valid = False
+        if not valid:
+            bound = "" if self.minimum is None else f" >= {self.minimum:g}"
+            raise PipelineError(
+                f"pass {type(instance).name!r}: option '{attribute.name}' must be a{'n' if self.kind is int else ''} "
+                f"{_kind_name(self.kind)}{bound}{' or none' if self.optional else ''}, got {value!r}"
+            )
 
 
-def _format_option(value: Any) -> str:
+def option(default: Any, *, kind: type | None = None, minimum: float | None = None, doc: str = "") -> Any:
+    """Declare a pass option: ``exact_threshold: int = option(512, minimum=1)``.
+
+    ``kind`` (bool, int, float or str) is how the option is read from pipeline text; it
+    defaults to the type of ``default``. A ``None`` default makes the option optional
+    (``none`` in text) and needs ``kind``. The kind is declared, not read from the type
+    annotation, so converting pipeline text never evaluates annotations.
+    """
+    kind = type(default) if kind is None else kind
+    if kind not in _TEXT_KINDS:
+        raise TypeError(f"an option's kind must be one of bool, int, float, str; got {kind!r}")
+    check = _OptionCheck(kind=kind, optional=default is None, minimum=minimum)
+    return attrs.field(default=default, validator=check, metadata={"option": check, "doc": doc})
+
+
+def _from_text(pass_name: str, field: attrs.Attribute, raw: str) -> Any:
+    check: _OptionCheck | None = field.metadata.get("option")
+    if check is None:
+        raise PipelineError(f"pass {pass_name!r}: option '{field.name}' is not declared with harts.passes.option and cannot be set from text")
+    text = raw.strip()
+    if check.optional and text.lower() == "none":
+        return None
+    try:
+        if check.kind is bool:
+            if text.lower() not in _TRUE + _FALSE:
+                raise ValueError(text)
+            return text.lower() in _TRUE
+        return check.kind(text)
+    except ValueError:
+        raise PipelineError(f"pass {pass_name!r}: option {field.name}={raw!r} is not a valid {_kind_name(check.kind)}") from None
+
+
+def _to_text(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if value is None:
@@ -90,75 +110,51 @@ def _format_option(value: Any) -> str:
     return str(value)
 
 
-def _options_class(name: str) -> type:
-    try:
-        return PASS_REGISTRY[name].Options
-    except KeyError:
-        known = ", ".join(sorted(PASS_REGISTRY))
-        raise PipelineError(f"unknown pass {name!r}; known passes: {known}") from None
+@attrs.define
+class PassContext:
+    """What a pass may read besides the IR: the batch (tokens live there), the compile
+    options (``lower`` records them in the IR) and a progress hook."""
+
+    batch: RolloutBatch | None = None
+    options: CompileOptions = DEFAULT_OPTIONS
+    progress: Callable[[str, float], None] | None = None
+
+    def report(self, what: str, fraction: float) -> None:
+        if self.progress is not None:
+            self.progress(what, fraction)
 
 
-def _convert_option(pass_name: str, field: attrs.Attribute, raw: str) -> Any:
-    annotation = field.type
-    if isinstance(annotation, str):
-        annotation = eval(annotation, {"typing": typing, "None": None})  # noqa: S307 - annotations of our own classes
-    allowed = typing.get_args(annotation) or (annotation,)
-    if raw.lower() == "none" and type(None) in allowed:
-        return None
-    for kind in allowed:
-        if kind is bool and raw.lower() in ("true", "false", "1", "0"):
-            return raw.lower() in ("true", "1")
-        if kind is int:
-            try:
-                return int(raw)
-            except ValueError:
-                continue
-        if kind is float:
-            try:
-                return float(raw)
-            except ValueError:
-                continue
-        if kind is str:
-            return raw
-    raise PipelineError(f"pass {pass_name!r}: option {field.name}={raw!r} is not a valid {annotation}")
+class Pass:
+    """Base of every pass; subclasses are ``@attrs.frozen`` and set the class variables below."""
 
+    name: ClassVar[str]
+    requires: ClassVar[Phase | None]
+    produces: ClassVar[Phase]
+    summary: ClassVar[str] = ""
 
-def make_invocation(name: str, **options: Any) -> PassInvocation:
-    options_class = _options_class(name)
-    names = {f.name for f in attrs.fields(options_class)}
-    unknown = sorted(set(options) - names)
-    if unknown:
-        raise PipelineError(f"pass {name!r} has no option {unknown[0]!r}; its options: {', '.join(sorted(names)) or 'none'}")
-    return PassInvocation(name, options_class(**options))
+    def run(self, module: Stage | None, ctx: PassContext) -> Stage:  # pragma: no cover - abstract
+        raise NotImplementedError
 
+    def render(self, result: Stage) -> str:
+        """The text of the stage this pass produced, for IR dumps and printing (canonical IR text)."""
+        return print_ir(result)
 
-_ENTRY = re.compile(r"\s*([a-z0-9-]+)\s*(?:\{([^{}]*)\})?\s*(?:,|$)")
+    def to_text(self) -> str:
+        """This pass as pipeline text: its name and the options that differ from their defaults."""
+        changed = [
+            (field.name, getattr(self, field.name))
+            for field in attrs.fields(type(self))
+            if getattr(self, field.name) != field.default
+        ]
+        if not changed:
+            return self.name
+        return self.name + "{" + ",".join(f"{key}={_to_text(value)}" for key, value in changed) + "}"
 
-
-def parse_pipeline(text: str) -> list[PassInvocation]:
-    """Parse ``a,b{k=v,k2=v2},c`` into invocations, checking names and option types."""
-    invocations = []
-    position = 0
-    text = text.strip()
-    while position < len(text):
-        match = _ENTRY.match(text, position)
-        if match is None or match.end() == position:
-            raise PipelineError(f"cannot parse pipeline text at column {position}: {text[position:position + 30]!r}")
-        name, body = match.group(1), match.group(2)
-        options_class = _options_class(name)
-        fields = {f.name: f for f in attrs.fields(options_class)}
-        values: dict[str, Any] = {}
-        for item in filter(None, (part.strip() for part in (body or "").split(","))):
-            if "=" not in item:
-                raise PipelineError(f"pass {name!r}: option {item!r} must be key=value")
-            key, raw = (s.strip() for s in item.split("=", 1))
-            if key not in fields:
-                raise PipelineError(f"pass {name!r} has no option {key!r}; its options: {', '.join(sorted(fields)) or 'none'}")
-            values[key] = _convert_option(name, fields[key], raw)
-        invocations.append(PassInvocation(name, options_class(**values)))
-        position = match.end()
-    return invocations
-
-
-def pipeline_to_text(invocations: Sequence[PassInvocation]) -> str:
-    return ",".join(invocation.to_text() for invocation in invocations)
+    @classmethod
+    def from_text_options(cls, raw: Mapping[str, str]) -> "Pass":
+        """An instance from ``key=value`` strings of pipeline text."""
+        fields = {field.name: field for field in attrs.fields(cls)}
+        unknown = sorted(set(raw) - set(fields))
+        if unknown:
+            raise PipelineError(f"pass {cls.name!r} has no option {unknown[0]!r}; its options: {', '.join(sorted(fields)) or 'none'}")
+        return cls(**{key: _from_text(cls.name, fields[key], value) for key, value in raw.items()})

@@ -1,4 +1,10 @@
-"""Running a pipeline: verification after every pass and instruments around each one.
+"""Running a pipeline: the pass contract, verification after every pass, instruments around each one.
+
+The manager owns the contract of :class:`~harts.passes.base.Pass`: before a pass runs, its
+input must have reached ``requires`` (``lower``, with ``requires=None``, runs first, on no
+module); after it runs, its output must be at ``produces`` exactly and, unless
+verification is off, satisfy every invariant of that phase. Every error raised while a pass
+runs or is checked names the pass and the passes run before it.
 
 Instruments are reachable from the API (``instruments=[...]``), the CLI flags, and the
 environment, read once per compile:
@@ -19,29 +25,32 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from harts.errors import PipelineError
+from harts.errors import HartsError, IRVerificationError, PipelineError
 from harts.fsio import atomic_write_bytes
-from harts.ir.nodes import Module
 from harts.ir.text import print_ir
 from harts.ir.verify import verify
-from harts.passes.base import PASS_REGISTRY, PassContext, PassInvocation
+from harts.passes.base import Pass, PassContext, Stage
+from harts.passes.registry import PASS_REGISTRY
 
 logger = logging.getLogger(__name__)
 
 
 class Instrument:
-    """Hooks called around every pass; subclasses override what they need."""
+    """Hooks called around every pass; subclasses override what they need.
 
-    def before_pipeline(self, module: Module) -> None:
+    ``module`` is None before a pipeline that starts with ``lower`` (it starts from the batch).
+    """
+
+    def before_pipeline(self, module: Stage | None) -> None:
         pass
 
-    def before_pass(self, invocation: PassInvocation, module: Module) -> None:
+    def before_pass(self, step: Pass, module: Stage | None) -> None:
         pass
 
-    def after_pass(self, invocation: PassInvocation, module: Module, seconds: float) -> None:
+    def after_pass(self, step: Pass, module: Stage, seconds: float) -> None:
         pass
 
-    def after_pipeline(self, module: Module) -> None:
+    def after_pipeline(self, module: Stage) -> None:
         pass
 
 
@@ -50,20 +59,23 @@ class PrintIRAfter(Instrument):
 
     def __init__(self, passes: Sequence[str] | None = None, stream: TextIO | None = None):
         self.passes = None if passes is None else set(passes)
-        unknown = sorted((self.passes or set()) - set(PASS_REGISTRY))
+        unknown = sorted(name for name in self.passes or () if name not in PASS_REGISTRY)
         if unknown:
-            raise PipelineError(f"cannot print IR after unknown pass {unknown[0]!r}; known passes: {', '.join(sorted(PASS_REGISTRY))}")
+            raise PipelineError(f"cannot print IR after unknown pass {unknown[0]!r}; known passes: {', '.join(PASS_REGISTRY)}")
         self.stream = stream
 
-    def after_pass(self, invocation: PassInvocation, module: Module, seconds: float) -> None:
-        if self.passes is None or invocation.name in self.passes:
+    def after_pass(self, step: Pass, module: Stage, seconds: float) -> None:
+        if self.passes is None or step.name in self.passes:
             stream = self.stream or sys.stderr
-            stream.write(f"// ----- IR after {invocation.to_text()} -----\n")
-            stream.write(print_ir(module))
+            stream.write(f"// ----- IR after {step.to_text()} -----\n")
+            stream.write(step.render(module))
 
 
 class DumpIR(Instrument):
-    """Write the input IR as ``000_lower.txt`` and every later stage as ``NNN_<pass>.txt``."""
+    """Write every stage as ``NNN_<pass>.txt``, numbered from 000 in the order they are produced.
+
+    A pipeline that starts from an already lowered module writes that input as ``000_lower.txt``.
+    """
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
@@ -75,15 +87,12 @@ class DumpIR(Instrument):
         atomic_write_bytes(target, text.encode())
         self.count += 1
 
-    def before_pipeline(self, module: Module) -> None:
-        self._write("lower", print_ir(module))
+    def before_pipeline(self, module: Stage | None) -> None:
+        if module is not None:
+            self._write("lower", print_ir(module))
 
-    def after_pass(self, invocation: PassInvocation, module: Module, seconds: float) -> None:
-        self._write(invocation.name, print_ir(module))
-
-    def write_extra(self, name: str, text: str) -> None:
-        """Add a non-IR stage (e.g. the generated programs) to the dump, numbered after the passes."""
-        self._write(name, text)
+    def after_pass(self, step: Pass, module: Stage, seconds: float) -> None:
+        self._write(step.name, step.render(module))
 
 
 class TimePasses(Instrument):
@@ -92,9 +101,9 @@ class TimePasses(Instrument):
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
 
-    def after_pass(self, invocation: PassInvocation, module: Module, seconds: float) -> None:
-        self.seconds[invocation.name] = self.seconds.get(invocation.name, 0.0) + seconds
-        logger.info("pass %-24s %8.3f s", invocation.name, seconds)
+    def after_pass(self, step: Pass, module: Stage, seconds: float) -> None:
+        self.seconds[step.name] = self.seconds.get(step.name, 0.0) + seconds
+        logger.info("pass %-24s %8.3f s", step.name, seconds)
 
     def report(self) -> str:
         total = sum(self.seconds.values())
@@ -121,39 +130,73 @@ def verification_enabled_by_environment(environ: dict[str, str] | None = None) -
     return environ.get("HARTS_VERIFY", "1") not in ("0", "false", "no")
 
 
+def _history(done: Sequence[str]) -> str:
+    return f"passes run before it: {', '.join(done)}" if done else "no pass ran before it"
+
+
+def _locate(error: HartsError, where: str) -> None:
+    """Prefix the error's message with where in the pipeline it arose (its type and traceback stay)."""
+    error.args = (f"{where}: {error}",) + error.args[1:]
+
+
+def _check_requires(step: Pass, module: Stage | None, done: Sequence[str]) -> None:
+    if step.requires is None:
+        if module is not None:
+            raise PipelineError(f"pass {step.name!r} starts a pipeline from the batch, but it comes after a {module.phase} module ({_history(done)})")
+    elif module is None:
+        raise PipelineError(f"pass {step.name!r} needs phase {step.requires}, but the pipeline has no module yet; start it with 'lower'")
+    elif module.phase < step.requires:
+        raise PipelineError(
+            f"pass {step.name!r} needs phase {step.requires} but the module is {module.phase} ({_history(done)}); "
+            "run the earlier passes first"
+        )
+
+
 def run_pipeline(
-    module: Module,
-    invocations: Sequence[PassInvocation],
+    module: Stage | None,
+    passes: Sequence[Pass],
     ctx: PassContext,
     *,
     verify_each: bool = True,
     instruments: Sequence[Instrument] = (),
-) -> Module:
-    """Run passes in order; verify the input and the output of each pass unless told not to."""
-    if verify_each:
-        verify(module)
+) -> Stage:
+    """Run passes in order, enforcing each one's contract; verify the input and every output unless told not to."""
+    done: list[str] = []
+    if module is not None and verify_each:
+        try:
+            verify(module)
+        except IRVerificationError as error:
+            _locate(error, "the pipeline's input is invalid")
+            raise
     for instrument in instruments:
         instrument.before_pipeline(module)
-    for position, invocation in enumerate(invocations):
-        pass_class = PASS_REGISTRY[invocation.name]
-        if module.phase < pass_class.requires:
-            raise PipelineError(
-                f"pass {invocation.name!r} needs phase {pass_class.requires} but the module is {module.phase}; "
-                f"run the earlier passes first"
-            )
+    for position, step in enumerate(passes):
+        if not isinstance(step, Pass):
+            raise PipelineError(f"pipeline entry {position} is {type(step).__name__}, not a pass ({_history(done)})")
+        _check_requires(step, module, done)
         for instrument in instruments:
-            instrument.before_pass(invocation, module)
-        ctx.report(invocation.name, position / max(1, len(invocations)))
+            instrument.before_pass(step, module)
+        ctx.report(step.name, position / max(1, len(passes)))
         started = time.perf_counter()
-        result = pass_class().run(module, invocation.options, ctx)
+        try:
+            result = step.run(module, ctx)
+        except HartsError as error:
+            _locate(error, f"pass {step.to_text()!r} failed ({_history(done)})")
+            raise
         seconds = time.perf_counter() - started
-        if not isinstance(result, Module):
-            raise PipelineError(f"pass {invocation.name!r} returned {type(result).__name__}, not a Module")
+        if getattr(result, "phase", None) != step.produces:
+            got = f"phase {result.phase}" if hasattr(result, "phase") else type(result).__name__
+            raise PipelineError(f"pass {step.name!r} must produce phase {step.produces} but returned {got} ({_history(done)})")
         if verify_each:
-            verify(result)
-        logger.debug("pass %s: %s -> %s in %.4f s", invocation.name, module.phase, result.phase, seconds)
+            try:
+                verify(result)
+            except IRVerificationError as error:
+                _locate(error, f"the output of pass {step.to_text()!r} is invalid ({_history(done)})")
+                raise
+        logger.debug("pass %s: %s -> %s in %.4f s", step.name, getattr(module, "phase", "batch"), result.phase, seconds)
+        done.append(step.to_text())
         for instrument in instruments:
-            instrument.after_pass(invocation, result, seconds)
+            instrument.after_pass(step, result, seconds)
         module = result
     ctx.report("done", 1.0)
     for instrument in instruments:

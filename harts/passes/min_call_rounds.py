@@ -36,9 +36,10 @@ from collections.abc import Sequence
 
 import attrs
 
-from harts.errors import PipelineError, PlanningError
+from harts.errors import PlanningError
 from harts.ir.nodes import InputSequence, Microbatch, Module, Phase, Round, StateRef
-from harts.passes.base import Pass, PassContext, register_pass
+from harts.ir.verify_rounds import mandatory_replay  # noqa: F401 - R (Eq. 15) of the forests planned here
+from harts.passes.base import Pass, PassContext
 
 logger = logging.getLogger(__name__)
 
@@ -139,15 +140,6 @@ def call_counts(children: Sequence[Sequence[int]], top_down: Sequence[int], star
         anchor = chunk_size * (starts[segment] // chunk_size)
         t_pre[segment] = largest if ends[segment] < anchor + chunk_size else best
     return t_pre, t_in
-
-
-def mandatory_replay(parents: Sequence[int], ends: Sequence[int], chunk_size: int) -> int:
-    """R of Eq. 15: every side branch of v replays ``e_v mod B`` rows."""
-    child_count = [0] * len(parents)
-    for parent in parents:
-        if parent >= 0:
-            child_count[parent] += 1
-    return sum((k - 1) * (ends[v] % chunk_size) for v, k in enumerate(child_count) if k > 0)
 
 
 @attrs.define
@@ -273,20 +265,14 @@ def round_microbatch(microbatch: Microbatch, chunk_size: int) -> Microbatch:
     return attrs.evolve(microbatch, rounds=rounds, replay_tokens=plan.replay_tokens)
 
 
-@register_pass
+@attrs.frozen
 class MinCallRounds(Pass):
     name = "min-call-rounds"
     summary = "minimum-call linear-attention rounds per microbatch: direct continuations, replay, state handoffs (Alg. 1)"
     requires = Phase.SEGMENTED
     produces = Phase.ROUNDED
 
-    @attrs.frozen
-    class Options:
-        pass
-
-    def run(self, module: Module, options: Options, ctx: PassContext) -> Module:
-        if module.phase < self.requires or module.microbatches is None:
-            raise PipelineError(f"pass 'min-call-rounds' needs a {self.requires} module with microbatches; got phase {module.phase}")
+    def run(self, module: Module, ctx: PassContext) -> Module:
         microbatches = tuple(round_microbatch(microbatch, module.chunk_size) for microbatch in module.microbatches)
         logger.debug(
             "min-call-rounds: max %d rounds, %d replay tokens over %d microbatches",

@@ -12,7 +12,7 @@ import numpy as np
 
 from harts.errors import PipelineError
 from harts.ir.nodes import CompactTrie, Module, Phase, TrieNode
-from harts.passes.base import Pass, PassContext, register_pass
+from harts.passes.base import Pass, PassContext
 
 
 def sorted_order_and_lcp(tokens: tuple[np.ndarray, ...]) -> tuple[list[int], list[int]]:
@@ -77,18 +77,14 @@ def build_compact_trie(tokens: tuple[np.ndarray, ...]) -> CompactTrie:
     return CompactTrie(nodes=tuple(nodes), leaf=tuple(leaf), order=tuple(order), lcp=tuple(lcp), compact_tokens=row)
 
 
-@register_pass
+@attrs.frozen
 class PrefixCompress(Pass):
     name = "prefix-compress"
     summary = "compact trie over the batch: map m, multiplicities q, lexicographic order and LCPs"
     requires = Phase.LOWERED
     produces = Phase.COMPRESSED
 
-    @attrs.frozen
-    class Options:
-        pass
-
-    def run(self, module: Module, options: Options, ctx: PassContext) -> Module:
+    def run(self, module: Module, ctx: PassContext) -> Module:
         batch = ctx.batch
         if batch is None or batch.content_hash() != module.input_hash:
             raise PipelineError("prefix-compress needs the rollout batch the module was lowered from (input hash differs)")

@@ -11,28 +11,20 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from harts.errors import PipelineError, PlanningError
+from harts.errors import PlanningError
 from harts.ir.nodes import Module, Phase
-from harts.passes.base import Pass, PassContext, register_pass
+from harts.passes.base import Pass, PassContext
 from harts.planner import assign_slots
 
 
-@register_pass
+@attrs.frozen
 class ScheduleSlots(Pass):
     name = "schedule-slots"
     summary = "DP replica x microbatch slot assignment (heaviest first, to the least-loaded replica)"
     requires = Phase.PARTITIONED
     produces = Phase.SCHEDULED
 
-    @attrs.frozen
-    class Options:
-        pass
-
-    def run(self, module: Module, options: Options, ctx: PassContext) -> Module:
-        if module.phase < self.requires or module.microbatches is None or module.trie is None:
-            raise PipelineError(
-                f"pass 'schedule-slots' needs a {self.requires} module with microbatches; got phase {module.phase}"
-            )
+    def run(self, module: Module, ctx: PassContext) -> Module:
         microbatches = module.microbatches
         if len(microbatches) % module.dp_size:
             raise PlanningError(

@@ -22,30 +22,17 @@ from collections.abc import Sequence
 
 import attrs
 
-from harts.errors import PipelineError, PlanningError
+from harts.errors import PlanningError
 from harts.ir.nodes import CompactTrie, Microbatch, Module, Phase, Segment
-from harts.passes.base import Pass, PassContext, register_pass
+from harts.passes.base import Pass, PassContext
 
 logger = logging.getLogger(__name__)
-
-
-def used_trie_nodes(trie: CompactTrie, trajectories: Sequence[int]) -> list[int]:
-    """Ids of the trie nodes on the paths of ``trajectories``, ascending (= preorder)."""
-    nodes = trie.nodes
-    seen: set[int] = set()
-    for trajectory in trajectories:
-        node = trie.leaf[trajectory]
-        # Paths share their upper part; stop at the first node another member already marked.
-        while node >= 0 and node not in seen:
-            seen.add(node)
-            node = nodes[node].parent
-    return sorted(seen)
 
 
 def build_segments(trie: CompactTrie, trajectories: Sequence[int]) -> tuple[Segment, ...]:
     """The segment forest of the sub-trie used by ``trajectories`` (batch indices)."""
     nodes = trie.nodes
-    used = used_trie_nodes(trie, trajectories)
+    used = trie.used_nodes(trajectories)
     used_children: dict[int, list[int]] = {node: [] for node in used}
     for node in used:
         parent = nodes[node].parent
@@ -99,22 +86,17 @@ def segment_microbatch(trie: CompactTrie, microbatch: Microbatch) -> Microbatch:
     return attrs.evolve(microbatch, segments=segments, rounds=None, replay_tokens=None)
 
 
-@register_pass
+@attrs.frozen
 class SegmentPass(Pass):
     name = "segment"
     summary = "per-microbatch segment forest: maximal fork-free paths of the microbatch's sub-trie"
+    # Segmenting reads only membership and the trie, but phases form a chain: a ``segmented``
+    # module is also ``scheduled`` (verify checks replica and slot), and the runtime runs
+    # microbatches in slot order, so the replica x slot assignment has to exist already.
     requires = Phase.SCHEDULED
     produces = Phase.SEGMENTED
 
-    @attrs.frozen
-    class Options:
-        pass
-
-    def run(self, module: Module, options: Options, ctx: PassContext) -> Module:
-        if module.phase < self.requires or module.trie is None or module.microbatches is None:
-            raise PipelineError(
-                f"pass 'segment' needs a {self.requires} module with a compact trie and microbatches; got phase {module.phase}"
-            )
+    def run(self, module: Module, ctx: PassContext) -> Module:
         for microbatch in module.microbatches:
             for trajectory in microbatch.trajectories:
                 if not 0 <= trajectory < len(module.trajectories):

@@ -7,7 +7,7 @@
 
 from harts.runtime.api import LogProbOutput, MicrobatchOutput, log_probs, log_probs_baseline, microbatch_log_probs
 from harts.runtime.config import PRESETS, HybridConfig, HybridConfigError
-from harts.runtime.logprobs import compact_log_probs
+from harts.numerics import compact_log_probs
 from harts.runtime.model import HybridModel
 from harts.runtime.moe import MoEStats, expert_load, load_balancing_loss, z_loss
 from harts.runtime.tree_view import TreeView

@@ -33,6 +33,7 @@ from harts.codegen.fx import default_kernels
 from harts.codegen.layout import MicrobatchLayout
 from harts.ir.nodes import CompactTrie
 from harts.kernels.attention.tree_mask import layout_parents
+from harts.runtime.programs import RUNTIME_CACHE
 from harts.runtime.tree_view import TreeView
 from harts.runtime.view import BaselineView
 
@@ -135,12 +136,8 @@ class TrieNodes:
 
     @classmethod
     def from_layout(cls, layout: MicrobatchLayout) -> TrieNodes:
-        """The nodes of a layout, cached in ``layout.cache`` (every view and layer reuses them)."""
-        cached = layout.cache.get(("trie_nodes",))
-        if cached is None:
-            cached = cls._build(layout)
-            layout.cache[("trie_nodes",)] = cached
-        return cached
+        """The nodes of a layout, cached in the runtime's layout cache (every view and layer reuses them)."""
+        return RUNTIME_CACHE.get(layout, ("trie_nodes",), lambda: cls._build(layout))
 
     @classmethod
     def _build(cls, layout: MicrobatchLayout) -> TrieNodes:

@@ -16,20 +16,23 @@ names both) and once per position for the baseline.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
 
 import attrs
 import numpy as np
 import torch
 from torch import nn
 
-from harts.codegen.fx import cached_program, log_prob_rows
-from harts.codegen.layout import MicrobatchLayout
+from harts.codegen.fx import log_prob_rows
+from harts.codegen.layout import layout_of
 from harts.errors import PlanArtifactError, RolloutInputError
 from harts.ir.nodes import Module, Phase
-from harts.runtime.logprobs import compact_log_probs
+from harts.numerics import compact_log_probs, log_probs_from_logits
+from harts.plan import Plan
+from harts.runtime.model import HybridModel
 from harts.runtime.moe import MoEStats
+from harts.runtime.programs import RUNTIME_CACHE
 from harts.runtime.tree_view import TreeView
 from harts.runtime.view import BaselineView
 
@@ -69,17 +72,17 @@ class MicrobatchOutput:
     rows: int
 
 
-def _module_of(plan: Any) -> Module:
-    module = plan.module if hasattr(plan, "module") else plan
-    if not isinstance(module, Module):
-        raise TypeError(f"expected a harts Plan or a rounded IR Module, got {type(plan).__name__}")
-    return module
+def _module_of(plan: Plan | Module) -> Module:
+    if isinstance(plan, Plan):
+        return plan.module
+    if isinstance(plan, Module):
+        return plan
+    raise TypeError(f"expected a harts Plan or a rounded IR Module, got {type(plan).__name__}")
 
 
-def _layout(plan: Any, microbatch: int) -> MicrobatchLayout:
-    if hasattr(plan, "layout"):
-        return plan.layout(microbatch)
-    return MicrobatchLayout.build(plan, microbatch)
+def _layout(plan: Plan | Module, microbatch: int):
+    """The layout a microbatch runs on: the plan's stored one, or one laid out now from a rounded Module."""
+    return plan.layout(microbatch) if isinstance(plan, Plan) else layout_of(plan, microbatch)
 
 
 def _check_vocabulary(model: nn.Module, batch, trajectories=None) -> None:
@@ -138,8 +141,6 @@ def _check_routed_experts(model: nn.Module, batch, trajectories) -> tuple[np.nda
 
 def _has_linear_head(model: nn.Module) -> bool:
     """True when logits are exactly ``lm_head(hidden)`` with an ``nn.Linear`` head."""
-    from harts.runtime.model import HybridModel
-
     logits = getattr(type(model), "logits", None)
     return isinstance(getattr(model, "lm_head", None), nn.Linear) and (logits is None or logits is HybridModel.logits)
 
@@ -151,20 +152,12 @@ def _log_probs_from_hidden(model, hidden, input_ids, rows, next_rows, with_entro
         head = model.lm_head
         return compact_log_probs(hidden, head.weight, head.bias, rows, targets, with_entropy=with_entropy, row_chunk=row_chunk)
     # A custom head: its logits are still formed once per row, never per position.
-    logits = model.logits(hidden)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    normaliser = torch.logsumexp(logits, dim=-1)
-    log_probs = logits[rows, targets] - normaliser.index_select(0, rows)
-    entropy = None
-    if with_entropy:
-        probs = torch.softmax(logits, dim=-1)
-        entropy = (normaliser - (probs * logits).sum(-1)).index_select(0, rows)
-    return log_probs, entropy
+    return log_probs_from_logits(model.logits(hidden), rows, targets, with_entropy=with_entropy)
 
 
 def microbatch_log_probs(
     model: nn.Module,
-    plan: Any,
+    plan: Plan | Module,
     batch,
     microbatch: int,
     *,
@@ -195,7 +188,7 @@ def microbatch_log_probs(
     rows, next_rows, offsets = log_prob_rows(layout)
     if _has_linear_head(model):
         head = model.lm_head
-        program = cached_program(layout, "log_probs", device)
+        program = RUNTIME_CACHE.program(layout, "log_probs", device)
         values, entropy = program(hidden, input_ids, head.weight, head.bias, with_entropy, row_chunk)
     else:
         rows_t, next_t = (torch.as_tensor(r, device=device) for r in (rows, next_rows))
@@ -250,7 +243,7 @@ def _assemble(batch, outputs: list[MicrobatchOutput], with_entropy: bool) -> Log
 
 def log_probs(
     model: nn.Module,
-    plan: Any,
+    plan: Plan | Module,
     batch,
     recompute: bool = False,
     *,
@@ -281,7 +274,7 @@ def log_probs(
 def _baseline_groups(batch, microbatches) -> tuple[list[list[int]], int | None]:
     if microbatches is None:
         return [list(range(len(batch.tokens)))], None
-    if hasattr(microbatches, "module") or isinstance(microbatches, Module):
+    if isinstance(microbatches, (Plan, Module)):
         module = _module_of(microbatches)
         if module.microbatches is None:
             raise PlanArtifactError(f"the plan at phase {module.phase} has no microbatches")
@@ -298,7 +291,7 @@ def log_probs_baseline(
     model: nn.Module,
     batch,
     recompute: bool = False,
-    microbatches: Any = None,
+    microbatches: Plan | Module | Sequence[Sequence[int]] | None = None,
     *,
     with_entropy: bool = False,
     chunk_size: int | None = None,

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harts.numerics import compute_dtype
 from harts.runtime.config import HybridConfig
 from harts.runtime.view import ExecutionView
 
@@ -53,11 +54,6 @@ __all__ = [
     "compute_dtype",
     "rotary_cos_sin",
 ]
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype numerically sensitive parts run in: at least float32, float64 stays float64."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 class RMSNorm(nn.Module):

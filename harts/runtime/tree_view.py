@@ -22,8 +22,8 @@ from types import ModuleType
 
 import torch
 
-from harts.codegen.fx import cached_program
-from harts.codegen.layout import MicrobatchLayout
+from harts.ir.layout import MicrobatchLayout
+from harts.runtime.programs import RUNTIME_CACHE, LayoutCache
 
 __all__ = ["TreeView"]
 
@@ -36,7 +36,9 @@ class TreeView:
         chunk_size: B of the linear-attention kernel; must equal the plan's (None: the plan's).
         device: where index tensors and programs live.
         kernels: module with ``chunk_linear_attention``, ``causal_conv1d`` and ``attention``
-            (default: the pure-torch reference kernels).
+            (default: the kernel dispatch of :mod:`harts.kernels`).
+        programs: where the generated programs are cached (default: the process-wide cache,
+            shared by every view of the same layout).
     """
 
     def __init__(
@@ -46,6 +48,7 @@ class TreeView:
         device: torch.device | str | None = None,
         *,
         kernels: ModuleType | None = None,
+        programs: LayoutCache = RUNTIME_CACHE,
     ):
         if chunk_size is not None and chunk_size != layout.chunk_size:
             raise ValueError(
@@ -56,6 +59,7 @@ class TreeView:
         self.chunk_size = layout.chunk_size
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.kernels = kernels
+        self.programs = programs
         self.num_rows = layout.num_rows
         self.positions = torch.as_tensor(layout.row_position, dtype=torch.long).to(self.device)
         self.row_weight = torch.as_tensor(layout.row_multiplicity).to(self.device, torch.get_default_dtype())
@@ -68,8 +72,8 @@ class TreeView:
         )
 
     def program(self, kind: str, **options) -> torch.fx.GraphModule:
-        """The generated program of one operator kind (see :func:`harts.codegen.fx.cached_program`)."""
-        return cached_program(self.layout, kind, self.device, self.kernels, **options)
+        """The generated program of one operator kind (see :func:`harts.codegen.fx.build_program`)."""
+        return self.programs.program(self.layout, kind, self.device, self.kernels, **options)
 
     def input_ids(self, tokens) -> torch.Tensor:
         """[C] token ids of the rows, from the batch's per-trajectory token arrays."""

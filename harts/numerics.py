@@ -1,4 +1,9 @@
-"""Compact-to-semantic log-probabilities (§3.5, Eq. 17-19).
+"""Numerics shared by code generation and the runtime: the compute dtype and the
+compact-to-semantic log-probabilities (§3.5, Eq. 17-19).
+
+Both the generated log-prob program (:mod:`harts.codegen.fx`) and the runtime
+(:mod:`harts.runtime`) import this module; it imports neither, so neither import order
+makes a cycle.
 
 A compact row c holds the hidden state of every semantic position s with m(s) = c. Its
 logit row z_c is needed once for the vocabulary-wide normaliser; each position then only
@@ -30,7 +35,8 @@ def default_row_chunk(num_rows: int, vocab_size: int) -> int:
     return max(1, min(max(num_rows, 1), DEFAULT_BLOCK_ELEMENTS // max(vocab_size, 1)))
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype numerically sensitive parts run in: at least float32, float64 stays float64."""
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -51,7 +57,7 @@ class CompactLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, rows, targets, with_entropy, row_chunk):
-        dtype = _compute_dtype(hidden.dtype)
+        dtype = compute_dtype(hidden.dtype)
         num_rows = hidden.shape[0]
         order = torch.argsort(rows, stable=True)
         sorted_rows = rows.index_select(0, order)
@@ -167,3 +173,21 @@ def compact_log_probs(
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"row_chunk must be a positive int, got {row_chunk!r}")
     return CompactLogProbs.apply(hidden, weight, bias, rows, targets, bool(with_entropy), chunk)
+
+
+def log_probs_from_logits(
+    logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, *, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The same mapping for a head whose logits are already formed, once per row ([C, V]).
+
+    Used when the model's head is not a plain linear layer, so :func:`compact_log_probs`
+    cannot recompute the logits block by block; the normaliser is still one per row.
+    """
+    logits = logits.to(compute_dtype(logits.dtype))
+    normaliser = torch.logsumexp(logits, dim=-1)
+    log_probs = logits[rows, targets] - normaliser.index_select(0, rows)
+    entropy = None
+    if with_entropy:
+        probs = torch.softmax(logits, dim=-1)
+        entropy = (normaliser - (probs * logits).sum(-1)).index_select(0, rows)
+    return log_probs, entropy
