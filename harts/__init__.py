@@ -5,7 +5,7 @@
     plan = harts.compile(batch, capacity=65536, dp_size=1, chunk_size=64)
     out = harts.runtime.log_probs(model, plan, batch)
 
-Subpackages that need torch (``runtime``, ``models``, ``rl``, ``kernels``) load on first use.
+Subpackages that need torch (``runtime``, ``models``, ``rl``, ``kernels``, ``train``) load on first use.
 """
 
 import importlib
@@ -25,7 +25,7 @@ from harts.errors import (  # noqa: E402
 )
 from harts.plan import Plan, load_plan  # noqa: E402
 
-_LAZY_SUBMODULES = ("runtime", "models", "rl", "kernels", "workloads", "io", "codegen", "planner")
+_LAZY_SUBMODULES = ("runtime", "models", "rl", "kernels", "workloads", "io", "codegen", "planner", "train")
 
 
 def __getattr__(name: str):
