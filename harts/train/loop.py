@@ -88,7 +88,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 def _coerce(value: Any, declared: str, source: str) -> Any:
     """YAML reads ``1e-3`` as a string (it wants ``1.0e-3``): numbers are parsed by the option's declared type."""
     kind = declared.split("|")[0].strip()
-    if kind not in ("int", "float"):
+    if kind not in ("int", "float") or (value is None and "None" in declared):
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise TrainingError(f"{source} must be {'an int' if kind == 'int' else 'a number'}, got {value!r}")
