@@ -1,4 +1,4 @@
-"""The ``harts`` command line: compile, inspect (and plot), convert framework batches, run the demo step, benchmark."""
+"""The ``harts`` command line: compile, inspect (and plot), convert framework batches, train, run the demo, benchmark."""
 
 from __future__ import annotations
 
@@ -191,30 +191,101 @@ def passes_command() -> None:
     Console().print("default pipeline: " + ",".join(harts.DEFAULT_PIPELINE))
 
 
+def _records_table(records: list[dict], title: str) -> Table:
+    columns = ("step", "epoch", "loss", "kl", "clip_fraction", "entropy", "grad_norm", "fbgrad_seconds")
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column.replace("_seconds", " s").replace("_", " "), justify="right")
+    for record in records:
+        table.add_row(*(_format(record.get(column)) for column in columns))
+    return table
+
+
+@app.command("train")
+def train_command(
+    input: Optional[str] = typer.Argument(None, help="Node table (.jsonl/.parquet) or preset, as for `harts compile` (or 'input' in --config)."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="Model preset (default tiny); see harts.runtime.PRESETS."),
+    hf: Optional[str] = typer.Option(None, "--hf", help="Local Hugging Face checkpoint (Qwen3-Next, Kimi Linear) instead of a preset."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="RL steps (default 3)."),
+    epochs: Optional[int] = typer.Option(None, "--epochs", help="Optimizer steps per RL step, each over every microbatch (default 2)."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="AdamW learning rate (default 1e-4)."),
+    mode: Optional[str] = typer.Option(None, "--mode", help="harts (the compiled plan) or baseline (the same microbatches, every path expanded)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, float64 or bfloat16 (default: the model's)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the initial weights (default 0); the same seed gives the same start in both modes."),
+    metrics: Optional[Path] = typer.Option(None, "--metrics", help="Append one JSON object per optimizer step to this .jsonl file."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the training curves to this PNG."),
+    config: Optional[Path] = typer.Option(None, "--config", help="YAML file of these options (and TrainConfig fields); flags override it."),
+    algorithm: Optional[str] = typer.Option(None, "--algorithm", help="grpo (default) or ppo."),
+    kl_coef: Optional[float] = typer.Option(None, "--kl-coef", help="KL penalty to the initial weights (default 1e-3; 0: no reference model)."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="Sampling temperature the log-probs are computed at (default 1)."),
+    capacity: Optional[int] = typer.Option(None, "--capacity", help="Microbatch capacity T in compact tokens (default 65536)."),
+    chunk_size: Optional[int] = typer.Option(None, "--chunk-size", help="Linear-attention chunk size B (default: the model's)."),
+    dp: Optional[int] = typer.Option(None, "--dp", help="Data-parallel degree D of the plan (default: the torchrun world size)."),
+    parallel: Optional[str] = typer.Option(None, "--parallel", help="Data-parallel wrapper under torchrun: ddp (default) or fsdp (FSDP2)."),
+    recompute: Optional[bool] = typer.Option(None, "--recompute/--no-recompute", help="Full-layer activation recomputation (default off)."),
+    save: Optional[Path] = typer.Option(None, "--save", help="Write the trained weights to this .safetensors file."),
+) -> None:
+    """Train a model on a rollout batch for some RL steps (run under torchrun for data parallelism)."""
+    from harts.train.loop import load_options, run_training
+
+    flags = dict(
+        input=input, preset=preset, hf=hf, steps=steps, epochs=epochs, lr=lr, mode=mode, dtype=dtype, seed=seed,
+        metrics=None if metrics is None else str(metrics), plot=None if plot is None else str(plot), algorithm=algorithm,
+        kl_coef=kl_coef, temperature=temperature, capacity=capacity, chunk_size=chunk_size, dp=dp, parallel=parallel,
+        recompute=recompute, save=None if save is None else str(save),
+    )
+    try:
+        options = load_options(flags, config)
+        run = run_training(options, console=console)
+    except HartsError as error:
+        _fail(error)
+    if run.rank != 0:
+        return
+    stats = run.plan_stats
+    Console(width=max(Console().width, 100)).print(_records_table(list(run.records), f"harts train {options.input}: {run.model_description}, "
+                                   f"mode {options.train.mode}, {run.world_size} rank(s), plan compression {stats['compression']:.3g}"))
+
+
 @app.command("run")
 def run_command(
     input: str = typer.Argument("demo", help="Rollout batch: node table or preset (default: the bundled demo batch)."),
     preset: str = typer.Option("tiny", "--preset", help="Model preset."),
     chunk_size: int = typer.Option(16, "--chunk-size", help="Linear-attention chunk size B."),
     capacity: int = typer.Option(4096, "--capacity", help="Microbatch capacity T in compact tokens."),
-    dp: int = typer.Option(1, "--dp", help="Data-parallel degree D."),
-    repeats: int = typer.Option(3, "--repeats", help="Timed repetitions of each step (after one warm-up)."),
+    steps: int = typer.Option(3, "--steps", help="RL steps in each mode."),
+    epochs: int = typer.Option(2, "--epochs", help="Optimizer steps per RL step."),
     recompute: bool = typer.Option(True, "--recompute/--no-recompute", help="Full-layer activation recomputation."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the initial weights (shared by both modes)."),
+    threads: int = typer.Option(1, "--threads", help="torch intra-op threads (the demo model's tensors are too small to gain from more; 0: torch's default)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Draw both modes' training curves to this PNG."),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
 ) -> None:
-    """The main job: compile a batch, run one GRPO step with HARTS and the baseline, print the figures."""
+    """The main job: compile a batch, train a few GRPO steps with HARTS and the baseline from the same weights, compare."""
     from harts.demo import run_demo
+    from harts.train.loop import step_progress
 
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)
     try:
-        with console.status("compiling and running one GRPO step in both modes"):
-            figures = run_demo(input, preset=preset, chunk_size=chunk_size, capacity=capacity, dp_size=dp,
-                               repeats=repeats, recompute=recompute)
+        with step_progress(True, console) as update:
+            figures = run_demo(input, preset=preset, chunk_size=chunk_size, capacity=capacity, steps=steps, epochs=epochs,
+                               recompute=recompute, seed=seed, plot=plot, on_progress=update)
     except HartsError as error:
         _fail(error)
     if as_json:
         sys.stdout.write(json.dumps(figures, indent=2) + "\n")
         return
-    print_stats(figures, title="HARTS vs trajectory-wise baseline, one GRPO step")
+    table = Table(title="per optimizer step, from the same weights (F/B/Grad in seconds)")
+    for column in ("step", "epoch", "loss baseline", "loss HARTS", "rel diff", "F/B/G base", "F/B/G HARTS", "speedup"):
+        table.add_column(column, justify="right")
+    for row in figures["per_step"]:
+        table.add_row(str(row["step"]), str(row["epoch"]), f"{row['loss_baseline']:.7g}", f"{row['loss_harts']:.7g}",
+                      f"{row['loss_rel_diff']:.1e}", f"{row['fbgrad_baseline']:.2f}", f"{row['fbgrad_harts']:.2f}",
+                      f"{row['fbgrad_baseline'] / row['fbgrad_harts']:.2f}x")
+    Console(width=max(Console().width, 100)).print(table)
+    print_stats({k: v for k, v in figures.items() if k != "per_step"}, title="HARTS vs trajectory-wise baseline")
 
 
 @app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

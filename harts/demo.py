@@ -1,52 +1,26 @@
-"""The main job: compile a rollout batch, run one GRPO training step with HARTS and with the
-trajectory-wise baseline on the same model, and report compression, speed and fidelity."""
+"""The main job (``harts run``, ``make demo``): compile a rollout batch, train a few GRPO steps
+with HARTS and with the trajectory-wise baseline from the same weights, and report the
+per-step losses of both, the F/B/Grad speedup and the fidelity of HARTS against the baseline.
+
+The two modes alternate step by step, so load from other processes on a shared machine
+falls on both alike.
+"""
 
 from __future__ import annotations
 
 import copy
 import logging
 import statistics
-import time
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 import harts
-from harts.batch import RolloutBatch
 
 logger = logging.getLogger(__name__)
 
-
-def _advantages(batch: RolloutBatch):
-    """The batch's advantages, or GRPO group-relative ones from its rewards when it has none."""
-    from harts.rl import ADVANTAGE_FIELDS, group_advantages
-
-    if any(name in batch.trajectory_fields or name in batch.token_fields for name in ADVANTAGE_FIELDS):
-        return None
-    rewards = batch.trajectory_fields.get("reward", np.zeros(len(batch)))
-    groups = batch.trajectory_fields.get("group_id", np.asarray(batch.tree_ids))
-    return group_advantages(rewards, groups)
-
-
-def _grpo_step(model, batch: RolloutBatch, plan, mode: str, recompute: bool, advantages) -> tuple[float, Any, dict[str, torch.Tensor], float]:
-    """One forward/backward of the GRPO loss; returns (seconds, log-probs, grads, loss)."""
-    from harts.rl import grpo_loss
-    from harts.runtime import load_balancing_loss, log_probs, log_probs_baseline
-
-    model.zero_grad(set_to_none=True)
-    started = time.perf_counter()
-    if mode == "harts":
-        out = log_probs(model, plan, batch, recompute=recompute)
-    else:
-        out = log_probs_baseline(model, batch, recompute=recompute, microbatches=plan)
-    loss = grpo_loss(out.log_probs, batch, advantages=advantages).loss
-    if out.moe is not None and out.moe.num_layers:
-        loss = loss + 1e-3 * load_balancing_loss(out.moe)
-    loss.backward()
-    seconds = time.perf_counter() - started
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-    return seconds, [lp.detach() for lp in out.log_probs], grads, float(loss.detach())
+MODES = ("baseline", "harts")
 
 
 def run_demo(
@@ -55,51 +29,70 @@ def run_demo(
     preset: str = "tiny",
     chunk_size: int = 16,
     capacity: int = 4096,
-    dp_size: int = 1,
-    repeats: int = 3,
+    steps: int = 3,
+    epochs: int = 2,
     recompute: bool = True,
     seed: int = 0,
     learning_rate: float = 1e-3,
+    plot: Any = None,
+    on_progress: Callable[..., Any] | None = None,
 ) -> dict[str, Any]:
-    """Run the main job and return its figures (the CLI prints them)."""
-    from harts.runtime import HybridConfig, HybridModel
+    """Run the main job and return its figures (the CLI prints them).
+
+    ``on_progress(title, phase, done, total)`` is called after every microbatch.
+    """
+    from harts.train import TrainConfig, Trainer
+    from harts.train.loop import RunOptions, build_model, training_advantages
     from harts.workloads import resolve_input
 
     batch = resolve_input(input)
-    plan = harts.compile(batch, capacity=capacity, dp_size=dp_size, chunk_size=chunk_size)
-    vocab_size = int(max(int(t.max()) for t in batch.tokens)) + 1
-    torch.manual_seed(seed)
-    config = HybridConfig.preset(preset, vocab_size=max(vocab_size, 2), chunk_size=chunk_size)
-    model = HybridModel(config)
-    advantages = _advantages(batch)
+    advantages = training_advantages(batch)
+    plan = harts.compile(batch, capacity=capacity, dp_size=1, chunk_size=chunk_size)
+    model = build_model(RunOptions(preset=preset, chunk_size=chunk_size, seed=seed), batch)
+    reference = copy.deepcopy(model).requires_grad_(False)
+    config = TrainConfig(epochs=epochs, kl_coef=1e-3, aux_loss_coef=1e-3, expert_bias_rate=1e-3, recompute=recompute)
+    trainers = {}
+    for mode in MODES:
+        trained = copy.deepcopy(model)
+        optimizer = torch.optim.AdamW(trained.parameters(), lr=learning_rate)
+        trainers[mode] = Trainer(trained, optimizer, config.replace(mode=mode), reference_model=reference)
 
-    timings: dict[str, list[float]] = {"baseline": [], "harts": []}
-    results: dict[str, Any] = {}
-    for repeat in range(repeats + 1):
-        for mode in ("baseline", "harts"):
-            seconds, values, grads, loss = _grpo_step(model, batch, plan, mode, recompute, advantages)
-            if repeat > 0 or repeats == 0:
-                timings[mode].append(seconds)
-            results[mode] = (values, grads, loss)
-            logger.info("%s step %d: %.3f s", mode, repeat, seconds)
+    records: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    first_old: dict[str, dict[int, torch.Tensor]] = {}
+    for step in range(steps):
+        for mode in MODES:
+            title = f"{mode:>8} step {step + 1}/{steps}"
+            report = None if on_progress is None else (lambda phase, done, total, title=title: on_progress(title, phase, done, total))
+            result = trainers[mode].step(batch, plan, advantages=advantages, on_microbatch=report)
+            records[mode].extend(result.metrics)
+            first_old.setdefault(mode, result.old_log_probs)
+            logger.info("%s step %d: loss %s", mode, step + 1, [r["loss"] for r in result.metrics])
 
-    base_values, base_grads, base_loss = results["baseline"]
-    tree_values, tree_grads, tree_loss = results["harts"]
-    max_logprob_diff = max(float((a - b).abs().max()) for a, b in zip(base_values, tree_values) if a.numel())
-    max_grad_rel = max(
-        float((tree_grads[name] - grad).norm() / grad.norm().clamp_min(1e-30)) for name, grad in base_grads.items()
-    )
+    per_step = []
+    for base, tree in zip(records["baseline"], records["harts"]):
+        per_step.append({
+            "step": base["step"], "epoch": base["epoch"], "loss_baseline": base["loss"], "loss_harts": tree["loss"],
+            "loss_rel_diff": abs(tree["loss"] - base["loss"]) / max(abs(base["loss"]), 1e-30),
+            "fbgrad_baseline": base["fbgrad_seconds"], "fbgrad_harts": tree["fbgrad_seconds"],
+        })
+    if plot is not None:
+        from harts.train.plot import plot_metrics
 
-    trained = copy.deepcopy(model)
-    optimizer = torch.optim.AdamW(trained.parameters(), lr=learning_rate)
-    for parameter in trained.parameters():
-        parameter.grad = None
-    _, _, _, loss_before = _grpo_step(trained, batch, plan, "harts", recompute, advantages)
-    optimizer.step()
-    _, _, _, loss_after = _grpo_step(trained, batch, plan, "harts", recompute, advantages)
+        plot_metrics(records["baseline"] + records["harts"], plot, title=f"harts run {input}: baseline vs HARTS")
 
-    baseline_seconds = statistics.median(timings["baseline"])
-    harts_seconds = statistics.median(timings["harts"])
+    def seconds(mode: str, key: str) -> float:
+        return sum(r[key] for r in records[mode])
+
+    base_step = sum(seconds("baseline", k) for k in ("logprob_seconds", "fbgrad_seconds", "optimizer_seconds"))
+    tree_step = sum(seconds("harts", k) for k in ("plan_seconds", "logprob_seconds", "fbgrad_seconds", "optimizer_seconds"))
+    base_fbgrad = statistics.median(r["fbgrad_seconds"] for r in records["baseline"])
+    tree_fbgrad = statistics.median(r["fbgrad_seconds"] for r in records["harts"])
+    old_diff = max(float((first_old["harts"][k] - first_old["baseline"][k]).abs().max()) for k in first_old["harts"])
+    # ||theta_HARTS - theta_baseline|| / ||theta_baseline|| over all weights: Adam's first steps move every
+    # weight by about lr whatever its gradient's size, so round-off-level gradients make single weights differ.
+    tree_weights = torch.cat([p.detach().flatten().double() for p in trainers["harts"].module.parameters()])
+    base_weights = torch.cat([p.detach().flatten().double() for p in trainers["baseline"].module.parameters()])
+    param_diff = float((tree_weights - base_weights).norm() / base_weights.norm())
     stats = plan.stats
     return {
         "input": input,
@@ -112,16 +105,16 @@ def run_demo(
         "max_rounds": stats["max_rounds"],
         "replay_tokens": stats["replay_tokens"],
         "plan_seconds": stats["plan_seconds"],
-        "model": f"{preset} ({sum(p.numel() for p in model.parameters()):,} parameters, {config.dtype})",
+        "model": f"{preset} ({sum(p.numel() for p in model.parameters()):,} parameters, {model.config.dtype})",
         "recompute": recompute,
-        "baseline_fbgrad_seconds": baseline_seconds,
-        "harts_fbgrad_seconds": harts_seconds,
-        "fbgrad_speedup": baseline_seconds / harts_seconds,
-        "core_speedup": baseline_seconds / (harts_seconds + stats["plan_seconds"]),
-        "max_logprob_abs_diff": max_logprob_diff,
-        "max_grad_rel_diff": max_grad_rel,
-        "loss_baseline": base_loss,
-        "loss_harts": tree_loss,
-        "loss_after_adamw_step": loss_after,
-        "loss_before_adamw_step": loss_before,
+        "steps": steps,
+        "epochs": epochs,
+        "baseline_fbgrad_seconds": base_fbgrad,
+        "harts_fbgrad_seconds": tree_fbgrad,
+        "fbgrad_speedup": base_fbgrad / tree_fbgrad,
+        "step_speedup": base_step / tree_step,
+        "max_old_logprob_abs_diff": old_diff,
+        "param_rel_diff": param_diff,
+        "max_loss_rel_diff": max(row["loss_rel_diff"] for row in per_step),
+        "per_step": per_step,
     }

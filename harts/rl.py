@@ -9,7 +9,10 @@ Alignment. Per-token metadata is aligned with tokens (entry t belongs to ``token
 while ``log_probs[t]`` scores ``tokens[t + 1]``. Metadata is therefore read from entry 1 on:
 the loss term of ``log_probs[t]`` uses ``loss_mask[t + 1]``, ``advantages[t + 1]``,
 ``old_log_probs[t + 1]`` and ``ref_log_probs[t + 1]``. Per-trajectory metadata (one scalar
-per trajectory, e.g. a GRPO advantage) is broadcast to every token of its trajectory.
+per trajectory, e.g. a GRPO advantage) is broadcast to every token of its trajectory. Old and
+reference log-probs may also come in the layout the runtime returns them (one value per
+log-prob, ``len(tokens) - 1``, or the output object of :func:`harts.runtime.log_probs`
+itself): those are used as they are.
 
 Reductions (``reduction``):
 
@@ -18,6 +21,11 @@ Reductions (``reduction``):
   trajectory's masked token mean (the GRPO paper's 1/G sum_i 1/|o_i| sum_t);
 * ``"seq-mean-token-sum"``: mean over trajectories of the masked token sum;
 * ``"sum"``: sum of masked token losses.
+
+Gradient accumulation. A loss over a microbatch with ``denominator`` set to the whole
+batch's count (:func:`loss_denominator`) is that microbatch's exact share of the batch
+loss: the shares of any partition of the trajectories sum to the batch loss, so
+accumulated gradients do not depend on the microbatching or the data-parallel degree.
 """
 
 from __future__ import annotations
@@ -36,9 +44,12 @@ __all__ = [
     "REDUCTIONS",
     "grpo_loss",
     "group_advantages",
+    "loss_denominator",
+    "metadata_field",
     "pack_log_probs",
     "policy_loss",
     "ppo_loss",
+    "reduce_tokens",
     "token_metadata",
 ]
 
@@ -50,10 +61,17 @@ REF_LOG_PROB_FIELDS = ("ref_log_probs", "ref_logprobs", "reference_log_probs")
 
 @attrs.frozen(eq=False)
 class PolicyLoss:
-    """The scalar loss and detached diagnostics (means over masked tokens)."""
+    """The scalar loss and detached diagnostics.
+
+    ``metrics`` are means over this call's masked tokens; ``sums`` are the detached masked
+    sums behind them (``tokens``, ``clipped``, ``ratio``, ``neg_log_ratio``, ``kl`` when
+    a KL term is computed), and ``ratio_min`` / ``ratio_max`` over masked tokens, so that a
+    training loop can combine microbatches and ranks into batch-level figures.
+    """
 
     loss: torch.Tensor
     metrics: dict[str, float]
+    sums: dict[str, torch.Tensor] = attrs.field(factory=dict)
 
 
 def pack_log_probs(log_probs: Any, cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,13 +106,25 @@ def _field(batch, names: Sequence[str]):
     return None
 
 
-def token_metadata(values: Any, cu_seqlens: torch.Tensor, *, name: str, device=None, dtype=torch.float32) -> torch.Tensor:
+def token_metadata(
+    values: Any, cu_seqlens: torch.Tensor, *, name: str, device=None, dtype=torch.float32, log_prob_layout: bool = False
+) -> torch.Tensor:
     """Per-token metadata aligned with the packed log-probs.
 
     ``values`` is one token-aligned array per trajectory (entry t for ``tokens[t]``; entries
-    1.. are used) or one scalar per trajectory (broadcast).
+    1.. are used) or one scalar per trajectory (broadcast). With ``log_prob_layout`` (fields
+    that hold log-probs: old and reference log-probs) an entry may also hold one value per
+    log-prob (``len(tokens) - 1`` entries, the runtime's output layout), and ``values`` may be
+    the packed tensor or a runtime output object (``.packed`` / ``.cu_seqlens``).
     """
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    if log_prob_layout and hasattr(values, "packed") and hasattr(values, "cu_seqlens"):
+        if not torch.equal(values.cu_seqlens.to("cpu", torch.long), cu_seqlens.to("cpu", torch.long)):
+            raise RolloutInputError(f"field '{name}': the log-prob output covers other trajectories or lengths than the log-probs")
+        return values.packed.detach().to(device=device, dtype=dtype)
+    if log_prob_layout and isinstance(values, torch.Tensor) and values.dim() == 1 and values.shape[0] == sum(lengths):
+        # packed log-probs; checked before the per-trajectory broadcast, which a log-prob field never means
+        return values.detach().to(device=device, dtype=dtype)
     if isinstance(values, torch.Tensor) and values.dim() == 1 and values.shape[0] == len(lengths):
         values = values.detach().to(device=device, dtype=dtype)
         return torch.repeat_interleave(values, torch.as_tensor(lengths, dtype=torch.long, device=values.device))
@@ -106,16 +136,46 @@ def token_metadata(values: Any, cu_seqlens: torch.Tensor, *, name: str, device=N
         if array.dim() == 0:
             pieces.append(array.to(dtype).expand(length))
             continue
-        if array.dim() != 1 or array.shape[0] != length + 1:
+        if array.dim() == 1 and array.shape[0] == length + 1:
+            pieces.append(array[1:].to(dtype))
+        elif log_prob_layout and array.dim() == 1 and array.shape[0] == length:
+            pieces.append(array.to(dtype))
+        else:
+            expected = f"{length + 1} (one per token) or {length} (one per log-prob)" if log_prob_layout else f"{length + 1} (one per token)"
             raise RolloutInputError(
                 f"trajectory {trajectory}: field '{name}' has {array.shape[0] if array.dim() == 1 else tuple(array.shape)} entries, "
-                f"expected {length + 1} (one per token)"
+                f"expected {expected}"
             )
-        pieces.append(array[1:].to(dtype))
     return torch.cat([p.to(device) for p in pieces]) if pieces else torch.zeros(0, dtype=dtype, device=device)
 
 
-def _reduce(per_token: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, reduction: str, denominator: float | None) -> torch.Tensor:
+def loss_denominator(loss_mask: Any, cu_seqlens: torch.Tensor, reduction: str) -> float | None:
+    """The count a reduction divides by, over every trajectory given (typically the whole batch).
+
+    ``loss_mask`` is token-aligned as everywhere (entry t + 1 gates ``log_probs[t]``):
+    ``token-mean`` divides by the masked tokens (sum of mask weights), the sequence means by
+    the trajectories with a masked token, ``sum`` by nothing (None). Pass the result as
+    ``denominator=`` to every microbatch's loss (see the module docstring).
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if reduction == "sum":
+        return None
+    cu = torch.as_tensor(cu_seqlens, dtype=torch.long)
+    mask = token_metadata(loss_mask, cu, name="loss_mask", dtype=torch.float64)
+    if reduction == "token-mean":
+        return float(mask.sum())
+    lengths = cu[1:] - cu[:-1]
+    owner = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    counts = torch.zeros(len(lengths), dtype=torch.float64).index_add(0, owner, mask)
+    return float((counts > 0).sum())
+
+
+def reduce_tokens(per_token: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, reduction: str, denominator: float | None = None) -> torch.Tensor:
+    """Reduce per-token values [P] under ``mask`` [P] (aligned with the log-probs) as ``reduction`` does.
+
+    ``denominator`` overrides the count (see :func:`loss_denominator`).
+    """
     masked = per_token * mask
     if reduction == "token-mean":
         total = mask.sum() if denominator is None else torch.as_tensor(denominator, dtype=mask.dtype, device=mask.device)
@@ -150,9 +210,11 @@ def policy_loss(
     """Clipped surrogate loss with an optional k3 KL penalty to a reference policy.
 
     Metadata arguments follow the batch convention (token-aligned per trajectory, or one
-    scalar per trajectory); see the module docstring. ``old_log_probs=None`` means on-policy
-    (ratio 1, gradient of the plain policy gradient). ``denominator`` overrides the
-    reduction's count (e.g. a global token count shared by every microbatch).
+    scalar per trajectory); old and reference log-probs may also be in the runtime's layout
+    (see the module docstring). ``old_log_probs=None`` means on-policy (ratio 1, gradient of
+    the plain policy gradient). Given reference log-probs, the k3 KL is measured (``sums``,
+    ``metrics``) even when ``kl_coef`` is 0. ``denominator`` overrides the reduction's count
+    (e.g. a global token count shared by every microbatch, :func:`loss_denominator`).
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
@@ -163,7 +225,11 @@ def policy_loss(
     mask = (
         torch.ones_like(packed) if loss_mask is None else token_metadata(loss_mask, cu, name="loss_mask", device=device, dtype=dtype)
     )
-    old = packed.detach() if old_log_probs is None else token_metadata(old_log_probs, cu, name="old_log_probs", device=device, dtype=dtype)
+    old = (
+        packed.detach()
+        if old_log_probs is None
+        else token_metadata(old_log_probs, cu, name="old_log_probs", device=device, dtype=dtype, log_prob_layout=True)
+    )
     log_ratio = packed - old
     ratio = torch.exp(log_ratio)
     high = clip_eps if clip_eps_high is None else clip_eps_high
@@ -174,26 +240,39 @@ def policy_loss(
         if dual_clip <= 1.0:
             raise ValueError(f"dual_clip must exceed 1, got {dual_clip}")
         per_token = torch.where(advantage < 0, torch.minimum(per_token, -advantage * dual_clip), per_token)
-    metrics: dict[str, float] = {}
-    if kl_coef:
+    sums: dict[str, torch.Tensor] = {}
+    if kl_coef or (ref_log_probs is not None):
         if ref_log_probs is None:
             raise RolloutInputError("a KL penalty (kl_coef != 0) needs reference log-probs ('ref_log_probs')")
-        reference = token_metadata(ref_log_probs, cu, name="ref_log_probs", device=device, dtype=dtype)
+        reference = token_metadata(ref_log_probs, cu, name="ref_log_probs", device=device, dtype=dtype, log_prob_layout=True)
         delta = reference - packed
         kl = torch.exp(delta) - delta - 1.0
-        per_token = per_token + kl_coef * kl
-        metrics["kl"] = float(_reduce(kl.detach(), mask, cu, "token-mean", None))
-    loss = _reduce(per_token, mask, cu, reduction, denominator)
+        if kl_coef:
+            per_token = per_token + kl_coef * kl
+        sums["kl"] = (kl.detach() * mask).sum()
+    loss = reduce_tokens(per_token, mask, cu, reduction, denominator)
     with torch.no_grad():
-        count = mask.sum().clamp_min(1)
-        metrics["clip_fraction"] = float(((clipped > unclipped).to(dtype) * mask).sum() / count)
-        metrics["approx_kl_old"] = float((-log_ratio * mask).sum() / count)
-        metrics["ratio_mean"] = float((ratio * mask).sum() / count)
-        metrics["tokens"] = float(mask.sum())
-    return PolicyLoss(loss=loss, metrics=metrics)
+        sums["tokens"] = mask.sum()
+        sums["clipped"] = ((clipped > unclipped).to(dtype) * mask).sum()
+        sums["neg_log_ratio"] = (-log_ratio * mask).sum()
+        sums["ratio"] = (ratio * mask).sum()
+        selected = ratio[mask > 0]
+        sums["ratio_min"] = selected.min() if selected.numel() else ratio.new_tensor(float("inf"))
+        sums["ratio_max"] = selected.max() if selected.numel() else ratio.new_tensor(float("-inf"))
+        count = sums["tokens"].clamp_min(1)
+        metrics = {
+            "clip_fraction": float(sums["clipped"] / count),
+            "approx_kl_old": float(sums["neg_log_ratio"] / count),
+            "ratio_mean": float(sums["ratio"] / count),
+            "tokens": float(sums["tokens"]),
+        }
+        if "kl" in sums:
+            metrics["kl"] = float(sums["kl"] / count)
+    return PolicyLoss(loss=loss, metrics=metrics, sums=sums)
 
 
-def _metadata_or_field(explicit: Any, batch, names: Sequence[str], label: str, required: bool):
+def metadata_field(explicit: Any, batch, names: Sequence[str], label: str, required: bool = False):
+    """``explicit`` if given, else the batch's first field among ``names`` (per token or per trajectory)."""
     if explicit is not None:
         return explicit
     found = _field(batch, names)
@@ -221,9 +300,9 @@ def ppo_loss(
     return policy_loss(
         log_probs,
         cu_seqlens=cu_seqlens,
-        advantages=_metadata_or_field(advantages, batch, ADVANTAGE_FIELDS, "advantages", True),
-        loss_mask=_metadata_or_field(loss_mask, batch, ("loss_mask",), "loss_mask", False),
-        old_log_probs=_metadata_or_field(old_log_probs, batch, OLD_LOG_PROB_FIELDS, "old_log_probs", False),
+        advantages=metadata_field(advantages, batch, ADVANTAGE_FIELDS, "advantages", True),
+        loss_mask=metadata_field(loss_mask, batch, ("loss_mask",), "loss_mask", False),
+        old_log_probs=metadata_field(old_log_probs, batch, OLD_LOG_PROB_FIELDS, "old_log_probs", False),
         clip_eps=clip_eps,
         clip_eps_high=clip_eps_high,
         dual_clip=dual_clip,
@@ -252,10 +331,10 @@ def grpo_loss(
     return policy_loss(
         log_probs,
         cu_seqlens=cu_seqlens,
-        advantages=_metadata_or_field(advantages, batch, ADVANTAGE_FIELDS, "advantages", True),
-        loss_mask=_metadata_or_field(loss_mask, batch, ("loss_mask",), "loss_mask", False),
-        old_log_probs=_metadata_or_field(old_log_probs, batch, OLD_LOG_PROB_FIELDS, "old_log_probs", False),
-        ref_log_probs=_metadata_or_field(ref_log_probs, batch, REF_LOG_PROB_FIELDS, "ref_log_probs", bool(kl_coef)),
+        advantages=metadata_field(advantages, batch, ADVANTAGE_FIELDS, "advantages", True),
+        loss_mask=metadata_field(loss_mask, batch, ("loss_mask",), "loss_mask", False),
+        old_log_probs=metadata_field(old_log_probs, batch, OLD_LOG_PROB_FIELDS, "old_log_probs", False),
+        ref_log_probs=metadata_field(ref_log_probs, batch, REF_LOG_PROB_FIELDS, "ref_log_probs", bool(kl_coef)),
         clip_eps=clip_eps,
         clip_eps_high=clip_eps_high,
         kl_coef=kl_coef,

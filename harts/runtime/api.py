@@ -11,6 +11,12 @@ Router replay: when the batch carries ``routed_experts`` (:attr:`harts.RolloutBa
 every MoE layer uses those experts instead of its own top-k, once per compact row for a plan
 (the trajectories through a row must agree, else :class:`~harts.errors.RolloutInputError`
 names both) and once per position for the baseline.
+
+``temperature`` divides the logits before the log-softmax, as the rollout engine sampled.
+``model`` may be a data-parallel wrapper (``DistributedDataParallel``, or a model passed to
+FSDP2's ``fully_shard``): the forward runs through the wrapper's ``forward`` (see
+:meth:`HybridModel.forward`'s ``head``), so its gradient synchronisation and parameter
+gathering take place.
 """
 
 from __future__ import annotations
@@ -38,7 +44,15 @@ from harts.runtime.view import BaselineView
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LogProbOutput", "MicrobatchOutput", "log_probs", "log_probs_baseline", "microbatch_log_probs"]
+__all__ = [
+    "LogProbOutput",
+    "MicrobatchOutput",
+    "log_probs",
+    "log_probs_baseline",
+    "microbatch_log_probs",
+    "microbatch_log_probs_baseline",
+    "unwrap_model",
+]
 
 
 @attrs.frozen(eq=False)
@@ -145,14 +159,62 @@ def _has_linear_head(model: nn.Module) -> bool:
     return isinstance(getattr(model, "lm_head", None), nn.Linear) and (logits is None or logits is HybridModel.logits)
 
 
-def _log_probs_from_hidden(model, hidden, input_ids, rows, next_rows, with_entropy, row_chunk):
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module a data-parallel or compile wrapper holds (itself for FSDP2, which wraps in place).
+
+    Read attributes (``config``, ``lm_head``) from it; call the wrapper itself for forward.
+    """
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    while True:
+        if isinstance(model, (DistributedDataParallel, DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _check_temperature(temperature: float) -> float:
+    temperature = float(temperature)
+    if not (temperature > 0 and np.isfinite(temperature)):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    return temperature
+
+
+def _head_weights(model: nn.Module, temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The LM head's weight and bias, divided by the temperature: logits / T = h (W / T)^T + b / T.
+
+    Scaling the [V, D] weight once per call keeps the compact log-prob program unchanged
+    (it never holds a [C, V] logit tensor to divide).
+    """
+    head = model.lm_head
+    if temperature == 1.0:
+        return head.weight, head.bias
+    return head.weight / temperature, None if head.bias is None else head.bias / temperature
+
+
+def _forward_with_head(model: nn.Module, input_ids: torch.Tensor, view, recompute: bool, head, routed_experts=None):
+    """Run ``model`` (or its wrapper's forward) with ``head`` in place of the LM head: (head output, MoEStats)."""
+    if model is unwrap_model(model) and not isinstance(model, HybridModel):
+        # another model class offering forward_hidden (its forward may not take a head); nothing wraps it
+        hidden, moe = model.forward_hidden(input_ids, view, recompute=recompute, routed_experts=routed_experts)
+        return head(model, hidden), moe
+    output, moe_fields = model(input_ids, view, recompute=recompute, routed_experts=routed_experts, head=head)
+    return output, MoEStats(*moe_fields)
+
+
+def _log_probs_from_hidden(model, hidden, input_ids, rows, next_rows, with_entropy, row_chunk, temperature=1.0):
     """Compact-to-semantic log-probs of positions whose logit rows are ``rows`` and next tokens sit at ``next_rows``."""
     targets = input_ids.index_select(0, next_rows)
     if _has_linear_head(model):
-        head = model.lm_head
-        return compact_log_probs(hidden, head.weight, head.bias, rows, targets, with_entropy=with_entropy, row_chunk=row_chunk)
+        weight, bias = _head_weights(model, temperature)
+        return compact_log_probs(hidden, weight, bias, rows, targets, with_entropy=with_entropy, row_chunk=row_chunk)
     # A custom head: its logits are still formed once per row, never per position.
-    return log_probs_from_logits(model.logits(hidden), rows, targets, with_entropy=with_entropy)
+    logits = model.logits(hidden)
+    if temperature != 1.0:
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    return log_probs_from_logits(logits, rows, targets, with_entropy=with_entropy)
 
 
 def microbatch_log_probs(
@@ -166,6 +228,7 @@ def microbatch_log_probs(
     row_chunk: int | None = None,
     kernels: ModuleType | None = None,
     view_type: type[TreeView] = TreeView,
+    temperature: float = 1.0,
 ) -> MicrobatchOutput:
     """Run one microbatch of a compiled plan (e.g. one step of gradient accumulation).
 
@@ -173,26 +236,30 @@ def microbatch_log_probs(
     :class:`TreeView` changes how sequence operators are scheduled on the same rows (the
     node-at-a-time ablation, :class:`harts.runtime.ablation.NodeAtATimeView`).
     """
+    temperature = _check_temperature(temperature)
     module = _module_of(plan)
     _check_plan_matches(module, batch)
     layout = _layout(plan, microbatch)
-    _check_vocabulary(model, batch, layout.trajectories)
-    device = next(model.parameters()).device
+    inner = unwrap_model(model)
+    _check_vocabulary(inner, batch, layout.trajectories)
+    device = next(inner.parameters()).device
     view = view_type(layout, device=device, kernels=kernels)
     input_ids = view.input_ids(batch.tokens)
-    routed = _check_routed_experts(model, batch, layout.trajectories)
+    routed = _check_routed_experts(inner, batch, layout.trajectories)
     if routed is not None:
         # one decision per compact row: every trajectory through a row must replay the same experts
         routed = torch.as_tensor(layout.gather_rows(routed, "routed_experts"), device=device)
-    hidden, moe = model.forward_hidden(input_ids, view, recompute=recompute, routed_experts=routed)
     rows, next_rows, offsets = log_prob_rows(layout)
-    if _has_linear_head(model):
-        head = model.lm_head
-        program = RUNTIME_CACHE.program(layout, "log_probs", device)
-        values, entropy = program(hidden, input_ids, head.weight, head.bias, with_entropy, row_chunk)
-    else:
+
+    def head(network: nn.Module, hidden: torch.Tensor):
+        if _has_linear_head(network):
+            weight, bias = _head_weights(network, temperature)
+            program = RUNTIME_CACHE.program(layout, "log_probs", device)
+            return program(hidden, input_ids, weight, bias, with_entropy, row_chunk)
         rows_t, next_t = (torch.as_tensor(r, device=device) for r in (rows, next_rows))
-        values, entropy = _log_probs_from_hidden(model, hidden, input_ids, rows_t, next_t, with_entropy, row_chunk)
+        return _log_probs_from_hidden(network, hidden, input_ids, rows_t, next_t, with_entropy, row_chunk, temperature)
+
+    (values, entropy), moe = _forward_with_head(model, input_ids, view, recompute, head, routed)
     return MicrobatchOutput(
         trajectories=tuple(int(t) for t in layout.trajectories),
         offsets=offsets,
@@ -251,6 +318,7 @@ def log_probs(
     row_chunk: int | None = None,
     kernels: ModuleType | None = None,
     view_type: type[TreeView] = TreeView,
+    temperature: float = 1.0,
 ) -> LogProbOutput:
     """Per-token log-probs of ``batch`` under ``model``, executing the compiled ``plan``.
 
@@ -260,11 +328,11 @@ def log_probs(
     """
     module = _module_of(plan)
     _check_plan_matches(module, batch)
-    _check_vocabulary(model, batch)
+    _check_vocabulary(unwrap_model(model), batch)
     outputs = [
         microbatch_log_probs(
             model, plan, batch, mb.index, recompute=recompute, with_entropy=with_entropy, row_chunk=row_chunk,
-            kernels=kernels, view_type=view_type,
+            kernels=kernels, view_type=view_type, temperature=temperature,
         )
         for mb in module.microbatches
     ]
@@ -287,6 +355,51 @@ def _baseline_groups(batch, microbatches) -> tuple[list[list[int]], int | None]:
     return groups, None
 
 
+def microbatch_log_probs_baseline(
+    model: nn.Module,
+    batch,
+    trajectories,
+    *,
+    chunk_size: int | None = None,
+    recompute: bool = False,
+    with_entropy: bool = False,
+    row_chunk: int | None = None,
+    kernels: ModuleType | None = None,
+    temperature: float = 1.0,
+) -> MicrobatchOutput:
+    """The trajectory-wise baseline of one microbatch: ``trajectories`` expanded, one packed sequence each.
+
+    The output is laid out as :func:`microbatch_log_probs`' (members in ascending order), so a
+    training loop runs either on the same microbatch membership.
+    """
+    temperature = _check_temperature(temperature)
+    inner = unwrap_model(model)
+    members = sorted(int(i) for i in trajectories)
+    for i in members:
+        if not 0 <= i < len(batch.tokens):
+            raise RolloutInputError(f"microbatch membership names trajectory {i}, but the batch has {len(batch.tokens)}")
+    _check_vocabulary(inner, batch, members)
+    chunk = chunk_size or inner.config.chunk_size
+    device = next(inner.parameters()).device
+    lengths = [len(batch.tokens[i]) for i in members]
+    view = BaselineView(lengths, chunk, device, kernels=kernels)
+    input_ids = torch.as_tensor(np.concatenate([batch.tokens[i] for i in members]), dtype=torch.long, device=device)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    rows = torch.as_tensor(np.concatenate([s + np.arange(n - 1) for s, n in zip(starts, lengths)]).astype(np.int64), device=device)
+    offsets = np.zeros(len(members) + 1, dtype=np.int64)
+    np.cumsum([n - 1 for n in lengths], out=offsets[1:])
+
+    routed = _check_routed_experts(inner, batch, members)
+    if routed is not None:
+        routed = torch.as_tensor(np.concatenate([routed[i] for i in members]), device=device)
+
+    def head(network: nn.Module, hidden: torch.Tensor):
+        return _log_probs_from_hidden(network, hidden, input_ids, rows, rows + 1, with_entropy, row_chunk, temperature)
+
+    (values, entropy), moe = _forward_with_head(model, input_ids, view, recompute, head, routed)
+    return MicrobatchOutput(tuple(members), offsets, values, entropy, moe, int(sum(lengths)))
+
+
 def log_probs_baseline(
     model: nn.Module,
     batch,
@@ -297,6 +410,7 @@ def log_probs_baseline(
     chunk_size: int | None = None,
     row_chunk: int | None = None,
     kernels: ModuleType | None = None,
+    temperature: float = 1.0,
 ) -> LogProbOutput:
     """Trajectory-wise baseline: every trajectory expanded and run as its own packed sequence.
 
@@ -304,25 +418,13 @@ def log_probs_baseline(
     size) or a list of trajectory-index lists. ``chunk_size`` defaults to the plan's, else
     the model config's.
     """
-    _check_vocabulary(model, batch)
+    _check_vocabulary(unwrap_model(model), batch)
     groups, plan_chunk = _baseline_groups(batch, microbatches)
-    chunk = chunk_size or plan_chunk or model.config.chunk_size
-    device = next(model.parameters()).device
-    outputs = []
-    for group in groups:
-        members = sorted(group)
-        lengths = [len(batch.tokens[i]) for i in members]
-        view = BaselineView(lengths, chunk, device, kernels=kernels)
-        input_ids = torch.as_tensor(np.concatenate([batch.tokens[i] for i in members]), dtype=torch.long, device=device)
-        routed = _check_routed_experts(model, batch, members)
-        if routed is not None:
-            routed = torch.as_tensor(np.concatenate([routed[i] for i in members]), device=device)
-        hidden, moe = model.forward_hidden(input_ids, view, recompute=recompute, routed_experts=routed)
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        rows = np.concatenate([s + np.arange(n - 1) for s, n in zip(starts, lengths)]).astype(np.int64)
-        offsets = np.zeros(len(members) + 1, dtype=np.int64)
-        np.cumsum([n - 1 for n in lengths], out=offsets[1:])
-        rows_t = torch.as_tensor(rows, device=device)
-        values, entropy = _log_probs_from_hidden(model, hidden, input_ids, rows_t, rows_t + 1, with_entropy, row_chunk)
-        outputs.append(MicrobatchOutput(tuple(members), offsets, values, entropy, moe, int(sum(lengths))))
+    outputs = [
+        microbatch_log_probs_baseline(
+            model, batch, group, chunk_size=chunk_size or plan_chunk, recompute=recompute, with_entropy=with_entropy,
+            row_chunk=row_chunk, kernels=kernels, temperature=temperature,
+        )
+        for group in groups
+    ]
     return _assemble(batch, outputs, with_entropy)

@@ -17,6 +17,10 @@ view. Module names follow the HF models (``embed_tokens``, ``layers.i.{linear_at
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import attrs
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -188,7 +192,20 @@ class HybridModel(nn.Module):
         *,
         recompute: bool = False,
         routed_experts: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, MoEStats]:
-        """input_ids [C] -> (logits [C, V], MoE statistics); ``routed_experts`` as in :meth:`forward_hidden`."""
+        head: Callable[[HybridModel, torch.Tensor], Any] | None = None,
+    ):
+        """input_ids [C] -> (logits [C, V], MoE statistics); ``routed_experts`` as in :meth:`forward_hidden`.
+
+        ``head(model, hidden)``, when given, replaces the LM head: the call returns
+        ``(head(self, hidden), moe_fields)`` with ``moe_fields`` the :class:`MoEStats` fields
+        as a plain tuple (``MoEStats(*moe_fields)`` rebuilds it). The runtime passes its
+        log-prob program here, so that everything that reads parameters runs inside this
+        call, hence inside a data-parallel wrapper's forward: DDP prepares its gradient
+        all-reduce there and FSDP2 all-gathers the sharded parameters there (calling
+        ``forward_hidden`` on ``ddp.module`` would skip both). Plain tuples, because the
+        wrappers look for output tensors in tuples, lists and dicts only.
+        """
         hidden, aux = self.forward_hidden(input_ids, view, recompute=recompute, routed_experts=routed_experts)
-        return self.logits(hidden), aux
+        if head is None:
+            return self.logits(hidden), aux
+        return head(self, hidden), attrs.astuple(aux, recurse=False)

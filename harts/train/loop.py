@@ -1,0 +1,312 @@
+"""The loop behind ``harts train``: compile a rollout batch once, then run RL steps on it.
+
+Options come from :class:`RunOptions` (the CLI flags, a YAML file, or both; flags win). The
+model is built from a preset or a Hugging Face checkpoint after seeding torch, so runs with
+one seed start from the same weights in either mode. Under ``torchrun`` every rank joins the
+process group, builds the same model and plan, wraps the model (DDP or FSDP2) and runs its
+replica's microbatches; rank 0 shows progress and writes the metrics, plot and weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import logging
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from harts.train.config import TrainConfig, TrainingError
+from harts.train.distributed import init_from_environment, wrap_model
+from harts.train.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CLI_TRAIN_DEFAULTS", "RunOptions", "TrainingRun", "build_model", "load_options", "run_training",
+           "save_weights", "training_advantages"]
+
+#: Where ``harts train`` departs from :class:`TrainConfig`'s defaults: a GRPO loop as RL
+#: trainers run it (two epochs per batch, KL to the initial policy, expert-bias balancing).
+CLI_TRAIN_DEFAULTS: dict[str, Any] = {"epochs": 2, "kl_coef": 1e-3, "expert_bias_rate": 1e-3}
+
+
+def _positive(instance, attribute, value) -> None:
+    if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+        raise TrainingError(f"option {attribute.name} must be positive, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class RunOptions:
+    """Everything ``harts train`` needs; ``train`` holds the step's :class:`TrainConfig`."""
+
+    input: str | None = None
+    preset: str = "tiny"
+    hf: str | None = None
+    model: Mapping[str, Any] = attrs.field(factory=dict)  # preset overrides, e.g. {"num_layers": 2}
+    steps: int = attrs.field(default=3, validator=_positive)
+    lr: float = attrs.field(default=1e-4, validator=_positive)
+    weight_decay: float = 0.0
+    dtype: str | None = None
+    seed: int = 0
+    capacity: int = attrs.field(default=65536, validator=_positive)
+    chunk_size: int | None = attrs.field(default=None, validator=_positive)
+    dp: int | None = attrs.field(default=None, validator=_positive)
+    parallel: str = "ddp"
+    metrics: str | None = None
+    plot: str | None = None
+    save: str | None = None
+    train: TrainConfig = attrs.field(factory=lambda: TrainConfig(**CLI_TRAIN_DEFAULTS))
+
+
+_RUN_FIELDS = tuple(f.name for f in attrs.fields(RunOptions) if f.name != "train")
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        document = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise TrainingError(f"config {path}: cannot be read ({error.strerror or error})") from error
+    except yaml.YAMLError as error:
+        raise TrainingError(f"config {path}: not valid YAML ({error})") from error
+    if document is None:
+        return {}
+    if not isinstance(document, dict):
+        raise TrainingError(f"config {path}: expected a mapping of option names to values, got {type(document).__name__}")
+    return document
+
+
+def _coerce(value: Any, declared: str, source: str) -> Any:
+    """YAML reads ``1e-3`` as a string (it wants ``1.0e-3``): numbers are parsed by the option's declared type."""
+    kind = declared.split("|")[0].strip()
+    if kind not in ("int", "float") or (value is None and "None" in declared):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TrainingError(f"{source} must be {'an int' if kind == 'int' else 'a number'}, got {value!r}")
+    try:
+        number = float(value) if kind == "float" else int(value)
+    except ValueError as error:
+        raise TrainingError(f"{source} must be {'an int' if kind == 'int' else 'a number'}, got {value!r}") from error
+    if kind == "int" and isinstance(value, float) and value != number:
+        raise TrainingError(f"{source} must be an int, got {value!r}")
+    return number
+
+
+def load_options(flags: Mapping[str, Any], config: str | os.PathLike | None = None) -> RunOptions:
+    """Options from a YAML file (keys: option names, ``-`` or ``_``) overridden by ``flags`` (None: not given)."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if config is not None:
+        for key, value in _read_yaml(Path(config)).items():
+            name = str(key).replace("-", "_")
+            values[name] = value
+            sources[name] = f"config {config}: option '{key}'"
+    for key, value in flags.items():
+        if value is not None:
+            values[key] = value
+            sources[key] = f"option --{key.replace('_', '-')}"
+    train_fields = set(TrainConfig.field_names())
+    unknown = sorted(set(values) - set(_RUN_FIELDS) - train_fields)
+    if unknown:
+        raise TrainingError(f"{sources[unknown[0]]} is unknown; options: {', '.join(sorted(set(_RUN_FIELDS) | train_fields))}")
+    declared = {f.name: str(f.type) for f in (*attrs.fields(RunOptions), *attrs.fields(TrainConfig))}
+    for name, value in values.items():
+        values[name] = _coerce(value, declared[name], sources[name])
+    train_values = {**CLI_TRAIN_DEFAULTS, **{k: v for k, v in values.items() if k in train_fields}}
+    run_values = {k: v for k, v in values.items() if k in _RUN_FIELDS}
+    if "model" in run_values and not isinstance(run_values["model"], Mapping):
+        raise TrainingError(f"{sources['model']} must be a mapping of model config fields")
+    if run_values.get("hf") and run_values.get("model"):
+        raise TrainingError("model overrides apply to presets; a --hf checkpoint brings its own config")
+    return RunOptions(**run_values, train=TrainConfig(**train_values))
+
+
+def training_advantages(batch) -> Any:
+    """The batch's advantages, else GRPO group-relative ones from its ``reward`` field (groups: ``group_id``, else trees)."""
+    from harts.rl import ADVANTAGE_FIELDS, group_advantages, metadata_field
+
+    given = metadata_field(None, batch, ADVANTAGE_FIELDS, "advantages")
+    if given is not None:
+        return given
+    if "reward" not in batch.trajectory_fields:
+        raise TrainingError("the batch has neither advantages ('advantages' / 'advantage') nor rewards ('reward') to train on")
+    groups = batch.trajectory_fields.get("group_id", np.asarray(batch.tree_ids))
+    return group_advantages(batch.trajectory_fields["reward"], groups)
+
+
+def build_model(options: RunOptions, batch, device: torch.device | str = "cpu"):
+    """The model to train, seeded with ``options.seed`` (same weights for either mode and on every rank)."""
+    from harts.runtime import HybridConfig, HybridModel
+
+    torch.manual_seed(options.seed)
+    if options.hf is not None:
+        from harts.models import from_hf
+
+        model = from_hf(options.hf, chunk_size=options.chunk_size or 64, dtype=options.dtype)
+    else:
+        overrides = dict(options.model)
+        if options.dtype is not None:
+            overrides["dtype"] = options.dtype
+        if options.chunk_size is not None:
+            overrides["chunk_size"] = options.chunk_size
+        if "vocab_size" not in overrides:
+            from harts.runtime.config import PRESETS
+
+            needed = int(max(int(t.max()) for t in batch.tokens)) + 1
+            overrides["vocab_size"] = max(needed, int(PRESETS.get(options.preset, {}).get("vocab_size", needed)))
+        model = HybridModel(HybridConfig.preset(options.preset, **overrides))
+    return model.to(device)
+
+
+def _full_state_dict(model) -> dict[str, torch.Tensor]:
+    """Unsharded copies of every parameter and buffer (a collective under FSDP2: call on every rank)."""
+    from harts.runtime.api import unwrap_model
+
+    state = {}
+    for name, value in unwrap_model(model).state_dict().items():
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        state[name] = value.detach().to("cpu").clone().contiguous()
+    return state
+
+
+def save_weights(model, path: str | os.PathLike, *, rank: int = 0) -> Path | None:
+    """Write the model's weights as safetensors (atomically, rank 0; every rank must call under FSDP2)."""
+    from safetensors.torch import save
+
+    from harts.fsio import atomic_write_bytes
+
+    state = _full_state_dict(model)
+    if rank != 0:
+        return None
+    return atomic_write_bytes(path, save(state, metadata={"format": "pt"}))
+
+
+def _json_ready(record: Mapping[str, Any]) -> dict[str, Any]:
+    """JSON has no inf/nan: such figures are written as null."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+
+
+class MetricsFile:
+    """Appends one JSON object per optimizer step to a ``.jsonl`` file, flushed line by line."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._handle: io.TextIOBase = open(self.path, "a", encoding="utf-8")
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        self._handle.write(json.dumps(_json_ready(record), sort_keys=True) + "\n")
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+@contextlib.contextmanager
+def step_progress(enabled: bool, console=None) -> Iterator[Callable[..., Any]]:
+    """A rich progress display: ``update(title, phase, done, total, note="")`` redraws one bar per step."""
+    if not enabled:
+        yield lambda *args, **kwargs: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(
+        TextColumn("[bold]{task.fields[title]}[/bold] {task.description:<20}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), TextColumn("{task.fields[note]}"), console=console,
+    )
+    tasks: dict[str, Any] = {}
+
+    def update(title: str, phase: str, done: int, total: int, note: str = "") -> None:
+        if title not in tasks:
+            tasks[title] = progress.add_task(phase, total=total, title=title, note=note)
+        progress.update(tasks[title], description=phase, completed=done, total=total, note=note)
+
+    with progress:
+        yield update
+
+
+@attrs.frozen(eq=False)
+class TrainingRun:
+    """What :func:`run_training` did: one record per optimizer step, the plan's statistics, the model."""
+
+    records: tuple[dict[str, Any], ...]
+    plan_stats: dict[str, Any]
+    model_description: str
+    world_size: int
+    rank: int
+
+
+def _describe(model, options: RunOptions) -> str:
+    source = options.hf or options.preset
+    return f"{source} ({sum(p.numel() for p in model.parameters()):,} parameters, {model.config.dtype})"
+
+
+def run_training(options: RunOptions, *, console=None, progress: bool = True) -> TrainingRun:
+    """Run ``options.steps`` RL steps on the batch ``options.input`` (see the module docstring)."""
+    import harts
+    from harts.workloads import resolve_input
+
+    if options.input is None:
+        raise TrainingError("no rollout batch: give INPUT (a node table or a preset) or 'input' in the config")
+    if options.parallel not in ("ddp", "fsdp"):
+        raise TrainingError(f"option --parallel must be 'ddp' or 'fsdp', got {options.parallel!r}")
+    group, device, created = init_from_environment()
+    metrics_file = None
+    try:
+        batch = resolve_input(options.input)
+        advantages = training_advantages(batch)
+        model = build_model(options, batch, device)
+        description = _describe(model, options)
+        reference = None
+        if options.train.kl_coef:
+            reference = copy.deepcopy(model).requires_grad_(False)
+        dp_size = options.dp or group.world_size
+        plan = harts.compile(batch, capacity=options.capacity, dp_size=dp_size, chunk_size=model.config.chunk_size,
+                             progress=progress and group.rank == 0)
+        wrapped = wrap_model(model, options.parallel, device) if group.distributed else model
+        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=options.lr, weight_decay=options.weight_decay)
+        trainer = Trainer(wrapped, optimizer, options.train, reference_model=reference)
+        if options.metrics is not None and group.rank == 0:
+            metrics_file = MetricsFile(options.metrics)
+        records: list[dict[str, Any]] = []
+        logger.info("training %s on %s: %d step(s) of %d epoch(s), mode %s, %d rank(s)", description, options.input,
+                    options.steps, options.train.epochs, options.train.mode, group.world_size)
+        with step_progress(progress and group.rank == 0, console) as update:
+            for step in range(options.steps):
+                title = f"step {step + 1}/{options.steps}"
+                note = f"loss {records[-1]['loss']:.5g}" if records else ""
+                result = trainer.step(
+                    batch, plan, advantages=advantages,
+                    on_microbatch=lambda phase, done, total: update(title, phase, done, total, note),
+                )
+                records.extend(result.metrics)
+                update(title, "done", 1, 1, f"loss {result.metrics[-1]['loss']:.5g}")
+                if metrics_file is not None:
+                    for record in result.metrics:
+                        metrics_file.write(record)
+        if options.plot is not None and group.rank == 0:
+            from harts.train.plot import plot_metrics
+
+            plot_metrics(records, options.plot, title=f"harts train {options.input}: {description}, {options.train.mode}")
+        if options.save is not None:
+            save_weights(wrapped, options.save, rank=group.rank)
+        return TrainingRun(tuple(records), dict(plan.stats), description, group.world_size, group.rank)
+    finally:
+        if metrics_file is not None:
+            metrics_file.close()
+        if created:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+

@@ -1,0 +1,396 @@
+"""The step API: one RL optimisation step on a compiled plan (paper §3.5, §4.1, §4.3).
+
+:meth:`Trainer.step` does what an RL trainer's actor update does, on the plan's microbatches:
+
+1. old log-probs with the model as it is before the step, and reference log-probs with the
+   reference model, under no grad, on the same plan and kernels (so the first epoch's
+   ratios are exactly 1);
+2. ``epochs`` times: every microbatch this rank's replica owns, in slot order, forward and
+   backward with gradient accumulation, then gradient clipping and one optimizer step;
+   MoE expert biases then move by the epoch's q-weighted expert loads.
+
+Global denominators. Each microbatch's loss is its exact share of the batch loss: the
+reduction's count (masked tokens for ``token-mean``, trajectories with a masked token for the
+sequence means) is taken from the whole batch's masks before the first microbatch, and the
+router z-loss divides by the batch's semantic-token count. The accumulated gradient, the
+reported loss and the metrics are therefore those of the whole batch, whatever the
+microbatching and the DP degree.
+
+The load-balancing loss ``E sum_e f_e P_e`` couples the batch's routed fractions ``f_e``
+(no gradient) with its mean router probabilities ``P_e``. ``f_e`` is measured over the whole
+batch (all microbatches, all ranks) in step 1's pass; each microbatch then contributes its
+q-weighted probability mass to ``P_e``. At the first epoch this is exactly the batch-level
+loss; later epochs keep the step's ``f_e``.
+
+``mode="baseline"`` runs the same microbatches trajectory-wise (every path expanded) through
+the same code, so HARTS and the baseline can be compared step for step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+from torch import nn
+
+from harts.errors import PlanArtifactError
+from harts.rl import (
+    ADVANTAGE_FIELDS,
+    OLD_LOG_PROB_FIELDS,
+    REF_LOG_PROB_FIELDS,
+    loss_denominator,
+    metadata_field,
+    policy_loss,
+    reduce_tokens,
+    token_metadata,
+)
+from harts.runtime.api import MicrobatchOutput, microbatch_log_probs, microbatch_log_probs_baseline, unwrap_model
+from harts.runtime.moe import MoEStats, apply_expert_bias_update, load_balancing_loss, z_loss
+from harts.train.config import TrainConfig
+from harts.train.distributed import ProcessGroupInfo, gradient_sync, replica_microbatches
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StepResult", "Trainer", "train_step"]
+
+#: Batch-level sums behind the metrics (summed over microbatches and ranks).
+_SUMS = ("loss", "policy_loss", "z_loss", "load_balancing_loss", "entropy", "kl", "tokens", "clipped",
+         "neg_log_ratio", "ratio", "rows")
+#: Figures taken as the maximum over ranks (``-ratio_min`` so that one MAX reduction serves).
+_MAXES = ("ratio_max", "neg_ratio_min", "plan_seconds", "logprob_seconds", "fbgrad_seconds", "optimizer_seconds")
+
+ProgressCallback = Callable[[str, int, int], None]
+
+
+@attrs.frozen(eq=False)
+class StepResult:
+    """What :meth:`Trainer.step` did.
+
+    ``metrics`` holds one dict per optimizer step (epoch), batch-level and equal on every rank:
+    ``step``, ``epoch``, ``optimizer_step``, ``mode``, ``loss`` (the total minimised),
+    ``policy_loss``, ``kl`` (k3 to the reference; None without one), ``approx_kl_old``,
+    ``clip_fraction``, ``ratio_mean`` / ``ratio_min`` / ``ratio_max``, ``entropy``, ``z_loss`` and
+    ``load_balancing_loss`` (None without MoE), ``grad_norm`` (before clipping), ``lr``,
+    ``tokens`` (loss-masked tokens), ``semantic_tokens``, ``rows`` (hidden rows one pass
+    executes: C for HARTS, S for the baseline), ``compression`` (S / rows) and the time split
+    ``plan_seconds``, ``logprob_seconds`` (no-grad passes), ``fbgrad_seconds``,
+    ``optimizer_seconds`` (max over ranks; a step's plan and no-grad passes are charged to its
+    first epoch). ``old_log_probs`` maps each microbatch this rank ran to its old log-probs
+    (member-major, as :class:`~harts.runtime.MicrobatchOutput`).
+    """
+
+    step: int
+    mode: str
+    metrics: tuple[dict[str, Any], ...]
+    old_log_probs: dict[int, torch.Tensor] = attrs.field(factory=dict)
+
+    @property
+    def loss(self) -> float:
+        """The loss of the step's first optimizer step (before any update of this step)."""
+        return self.metrics[0]["loss"]
+
+
+def _select(values: Any, members: Sequence[int]) -> Any:
+    """The entries of per-trajectory metadata that belong to ``members`` (in that order)."""
+    if values is None:
+        return None
+    if isinstance(values, (np.ndarray, torch.Tensor)):
+        return values[list(members)]
+    return [values[i] for i in members]
+
+
+def _log_prob_offsets(batch) -> torch.Tensor:
+    lengths = torch.as_tensor([len(t) - 1 for t in batch.tokens], dtype=torch.long)
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    return offsets
+
+
+def _module_of(plan: Any):
+    return plan.module if hasattr(plan, "module") else plan
+
+
+class Trainer:
+    """Runs RL optimisation steps of ``model`` on compiled plans.
+
+    Args:
+        model: a :class:`~harts.runtime.HybridModel`, or the same wrapped for data parallelism
+            (``DistributedDataParallel``, or passed to FSDP2's ``fully_shard``).
+        optimizer: any ``torch.optim`` optimizer over the model's parameters.
+        config: :class:`TrainConfig`.
+        reference_model: frozen model for reference log-probs (KL); None: the batch's
+            ``ref_log_probs`` field, if any.
+        scheduler: an LR scheduler stepped after every optimizer step.
+        process_group: the data-parallel group (default: the world, when torch.distributed
+            is initialised); its size must equal the plan's ``dp_size``.
+        kernels: kernel module override, as for :func:`harts.runtime.log_probs`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: TrainConfig | None = None,
+        *,
+        reference_model: nn.Module | None = None,
+        scheduler: Any = None,
+        process_group: Any = None,
+        kernels: Any = None,
+    ) -> None:
+        self.model = model
+        self.module = unwrap_model(model)
+        self.optimizer = optimizer
+        self.config = config or TrainConfig()
+        self.reference_model = reference_model
+        self.scheduler = scheduler
+        self.process_group = process_group
+        self.kernels = kernels
+        self.steps_done = 0
+        self.optimizer_steps = 0
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _run(self, model: nn.Module, batch, plan, mb, config: TrainConfig, *, grad: bool) -> MicrobatchOutput:
+        options = dict(
+            recompute=config.recompute and grad,
+            with_entropy=config.with_entropy and grad,
+            row_chunk=config.row_chunk,
+            kernels=self.kernels,
+            temperature=config.temperature,
+        )
+        if config.mode == "harts":
+            return microbatch_log_probs(model, plan, batch, mb.index, **options)
+        return microbatch_log_probs_baseline(model, batch, mb.trajectories, chunk_size=_module_of(plan).chunk_size, **options)
+
+    def _moe_layers(self) -> int:
+        return int(getattr(getattr(self.module, "config", None), "num_moe_layers", 0))
+
+    # ------------------------------------------------------------------ the step
+
+    def step(
+        self,
+        batch,
+        plan,
+        *,
+        advantages: Any = None,
+        mode: str | None = None,
+        on_microbatch: ProgressCallback | None = None,
+    ) -> StepResult:
+        """One RL optimisation step of ``batch`` on ``plan`` (see the module docstring).
+
+        ``advantages`` default to the batch's ``advantages`` / ``advantage`` field (one per
+        trajectory or per token). ``mode`` overrides ``config.mode``. ``on_microbatch(phase,
+        done, total)`` is called after every microbatch (progress display).
+        """
+        config = self.config if mode is None else self.config.replace(mode=mode)
+        module = _module_of(plan)
+        if module.input_hash != batch.content_hash():
+            raise PlanArtifactError(
+                f"the plan was compiled for batch {module.input_hash[:20]}..., not for this batch ({batch.content_hash()[:20]}...)"
+            )
+        group = ProcessGroupInfo.of(self.model, self.process_group)
+        mine = replica_microbatches(module, group.rank, group.world_size)
+        group.check_same((module.input_hash, [(mb.index, mb.replica, mb.slot) for mb in module.microbatches], config), "plan or config")
+
+        advantages = metadata_field(advantages, batch, ADVANTAGE_FIELDS, "advantages", required=True)
+        old_field = None if config.recompute_old_log_probs else metadata_field(None, batch, OLD_LOG_PROB_FIELDS, "old_log_probs")
+        ref_field = None
+        if self.reference_model is None:
+            ref_field = metadata_field(None, batch, REF_LOG_PROB_FIELDS, "ref_log_probs", required=bool(config.kl_coef))
+        reduction = config.loss_reduction
+        denominator = loss_denominator(batch.loss_mask, _log_prob_offsets(batch), reduction)
+        semantic_tokens = batch.semantic_tokens
+        moe_layers = self._moe_layers()
+        device = self.device
+        no_grad_passes = int(config.recompute_old_log_probs or bool(config.aux_loss_coef and moe_layers))
+        no_grad_passes += int(self.reference_model is not None)
+        total = (no_grad_passes + config.epochs) * len(mine)
+        done = 0
+
+        def progress(phase: str) -> None:
+            nonlocal done
+            done += 1
+            if on_microbatch is not None:
+                on_microbatch(phase, done, total)
+
+        self.optimizer.zero_grad(set_to_none=True)
+        started = self._now()
+        old_by_mb, ref_by_mb, routed = self._no_grad_passes(batch, plan, mine, config, group, progress)
+        logprob_seconds = self._now() - started
+
+        metrics = []
+        for epoch in range(config.epochs):
+            sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=device)
+            maxes = torch.full((len(_MAXES),), float("-inf"), dtype=torch.float64, device=device)
+            loads = None
+            started = self._now()
+            for position, mb in enumerate(mine):
+                with gradient_sync(self.model, enabled=position == len(mine) - 1):
+                    out = self._run(self.model, batch, plan, mb, config, grad=True)
+                    parts = self._microbatch_loss(
+                        out, batch, config, advantages=advantages, denominator=denominator,
+                        old=old_by_mb.get(mb.index, _select(old_field, out.trajectories)),
+                        ref=ref_by_mb.get(mb.index, _select(ref_field, out.trajectories)),
+                        routed=routed, semantic_tokens=semantic_tokens,
+                    )
+                    # DDP and FSDP2 average gradients over ranks; the shares already carry batch denominators.
+                    (parts["loss"] * group.world_size).backward()
+                for index, name in enumerate(_SUMS):
+                    if name in parts:
+                        sums[index] += parts[name].detach().to(torch.float64)
+                sums[_SUMS.index("rows")] += out.rows
+                maxes[0] = torch.maximum(maxes[0], parts["ratio_max"].to(torch.float64))
+                maxes[1] = torch.maximum(maxes[1], -parts["ratio_min"].to(torch.float64))
+                if moe_layers:
+                    loads = out.moe.assign_count if loads is None else loads + out.moe.assign_count
+                progress(f"epoch {epoch + 1}")
+            fbgrad_seconds = self._now() - started
+
+            started = self._now()
+            lr = float(self.optimizer.param_groups[0]["lr"])
+            grad_norm = self._clip_and_step(config)
+            if config.expert_bias_rate and moe_layers:
+                self._update_expert_bias(group.all_reduce(loads.clone()), config.expert_bias_rate)
+            optimizer_seconds = self._now() - started
+            self.optimizer_steps += 1
+
+            plan_seconds = 0.0
+            if config.mode == "harts" and epoch == 0:
+                plan_seconds = float((getattr(plan, "stats", None) or {}).get("plan_seconds") or 0.0)
+            maxes[2:] = torch.tensor(
+                [plan_seconds, logprob_seconds if epoch == 0 else 0.0, fbgrad_seconds, optimizer_seconds],
+                dtype=torch.float64, device=device,
+            )
+            group.all_reduce(sums)
+            group.all_reduce(maxes, "max")
+            metrics.append(self._record(epoch, config, sums, maxes, grad_norm, lr, semantic_tokens, moe_layers,
+                                        has_kl=bool(ref_by_mb) or ref_field is not None, routed=routed))
+        self.steps_done += 1
+        return StepResult(step=self.steps_done, mode=config.mode, metrics=tuple(metrics), old_log_probs=old_by_mb)
+
+    def _no_grad_passes(self, batch, plan, mine, config, group, progress):
+        """Old log-probs, reference log-probs and the batch's routed expert counts, per microbatch, under no grad."""
+        old_by_mb: dict[int, torch.Tensor] = {}
+        ref_by_mb: dict[int, torch.Tensor] = {}
+        routed = None
+        with torch.no_grad():
+            for mb in mine:
+                if config.recompute_old_log_probs or (config.aux_loss_coef and self._moe_layers()):
+                    out = self._run(self.model, batch, plan, mb, config, grad=False)
+                    if config.recompute_old_log_probs:
+                        old_by_mb[mb.index] = out.log_probs
+                    routed = out.moe.assign_count if routed is None else routed + out.moe.assign_count
+                    progress("old log-probs")
+                if self.reference_model is not None:
+                    ref_by_mb[mb.index] = self._run(self.reference_model, batch, plan, mb, config, grad=False).log_probs
+                    progress("reference log-probs")
+        if routed is not None and self._moe_layers():
+            routed = group.all_reduce(routed.clone())
+        return old_by_mb, ref_by_mb, routed
+
+    def _microbatch_loss(self, out, batch, config, *, advantages, denominator, old, ref, routed, semantic_tokens):
+        """This microbatch's share of the batch loss, and the detached sums behind the metrics."""
+        members = list(out.trajectories)
+        cu = torch.as_tensor(out.offsets, dtype=torch.long, device=out.log_probs.device)
+        loss_mask = _select(batch.loss_mask, members)
+        terms = policy_loss(
+            out.log_probs, cu_seqlens=cu, advantages=_select(advantages, members), loss_mask=loss_mask,
+            old_log_probs=old, ref_log_probs=ref, clip_eps=config.clip_eps, clip_eps_high=config.clip_eps_high,
+            dual_clip=config.dual_clip, kl_coef=config.kl_coef, reduction=config.loss_reduction, denominator=denominator,
+        )
+        loss = terms.loss
+        parts = {"policy_loss": terms.loss.detach(), **terms.sums}
+        if out.entropy is not None:
+            mask = token_metadata(loss_mask, cu, name="loss_mask", device=cu.device, dtype=out.entropy.dtype)
+            parts["entropy"] = (out.entropy.detach() * mask).sum()
+            if config.entropy_coef:
+                loss = loss - config.entropy_coef * reduce_tokens(out.entropy, mask, cu, config.loss_reduction, denominator)
+        if out.moe.num_layers:
+            # The microbatch's statistics over the batch's token count (and routed fractions):
+            # shares that sum to the batch-level router losses.
+            share = MoEStats(
+                z_loss_sum=out.moe.z_loss_sum,
+                prob_mass=out.moe.prob_mass,
+                assign_count=routed if routed is not None else out.moe.assign_count,
+                tokens=torch.full_like(out.moe.tokens, float(semantic_tokens)),
+            )
+            z_share = z_loss(share)
+            parts["z_loss"] = z_share.detach()
+            if config.z_loss_coef:
+                loss = loss + config.z_loss_coef * z_share
+            if routed is not None:
+                balance_share = load_balancing_loss(share)
+                parts["load_balancing_loss"] = balance_share.detach()
+                if config.aux_loss_coef:
+                    loss = loss + config.aux_loss_coef * balance_share
+        parts["loss"] = loss
+        return parts
+
+    def _clip_and_step(self, config: TrainConfig) -> float:
+        parameters = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = float("inf") if config.max_grad_norm is None else config.max_grad_norm
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm) if parameters else torch.zeros(())
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def _update_expert_bias(self, loads: torch.Tensor, rate: float) -> None:
+        zeros = torch.zeros(loads.shape[0], dtype=loads.dtype, device=loads.device)
+        stats = MoEStats(z_loss_sum=zeros, prob_mass=torch.zeros_like(loads), assign_count=loads, tokens=zeros)
+        apply_expert_bias_update(self.module, stats, rate=rate)
+
+    def _record(self, epoch, config, sums, maxes, grad_norm, lr, semantic_tokens, moe_layers, *, has_kl, routed):
+        total = dict(zip(_SUMS, sums.tolist()))
+        peak = dict(zip(_MAXES, maxes.tolist()))
+        count = max(total["tokens"], 1.0)
+        return {
+            "step": self.steps_done + 1,
+            "epoch": epoch + 1,
+            "optimizer_step": self.optimizer_steps,
+            "mode": config.mode,
+            "loss": total["loss"],
+            "policy_loss": total["policy_loss"],
+            "kl": total["kl"] / count if has_kl else None,
+            "approx_kl_old": total["neg_log_ratio"] / count,
+            "clip_fraction": total["clipped"] / count,
+            "ratio_mean": total["ratio"] / count,
+            "ratio_min": -peak["neg_ratio_min"],
+            "ratio_max": peak["ratio_max"],
+            "entropy": total["entropy"] / count if config.with_entropy else None,
+            "z_loss": total["z_loss"] if moe_layers else None,
+            "load_balancing_loss": total["load_balancing_loss"] if moe_layers and routed is not None else None,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": total["tokens"],
+            "semantic_tokens": semantic_tokens,
+            "rows": int(total["rows"]),
+            "compression": semantic_tokens / max(total["rows"], 1.0),
+            "plan_seconds": peak["plan_seconds"],
+            "logprob_seconds": peak["logprob_seconds"],
+            "fbgrad_seconds": peak["fbgrad_seconds"],
+            "optimizer_seconds": peak["optimizer_seconds"],
+        }
+
+
+def train_step(model, optimizer, batch, plan, config: TrainConfig | None = None, **options) -> StepResult:
+    """One step with a throw-away :class:`Trainer` (``options``: its keyword arguments and ``step``'s)."""
+    step_options = {key: options.pop(key) for key in ("advantages", "mode", "on_microbatch") if key in options}
+    return Trainer(model, optimizer, config, **options).step(batch, plan, **step_options)
