@@ -289,6 +289,8 @@ def stock_chunk_kda(
     """
     if any(export_chunks or ()):
         raise ValueError("stock fla cannot export chunk-boundary states; the trajectory-wise baseline never asks")
+    if _load_fla() is None:  # also points fla at the pinned configs before its first import
+        raise RuntimeError("the stock-fla baseline needs flash-linear-attention (pip install flash-linear-attention)")
     from fla.ops.kda import chunk_kda
 
     bounds = check_linear_attention_inputs(q, k, v, log_decay, beta, cu_seqlens, chunk_size, initial_state)
