@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Optional
@@ -11,6 +13,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.table import Table
 
 import harts
@@ -21,8 +24,17 @@ console = Console(stderr=True)
 logger = logging.getLogger("harts")
 
 
+#: exit status of a run that failed on its input or options (the message names the culprit)
+USER_ERROR_EXIT = 2
+#: exit status of a failure inside HARTS itself (a bug); --verbose shows the traceback
+INTERNAL_ERROR_EXIT = 3
+_verbose = False
+
+
 @app.callback()
-def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INFO level (pass timings, sizes).")) -> None:
+def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INFO level (pass timings, sizes); show tracebacks.")) -> None:
+    global _verbose
+    _verbose = verbose
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
         format="%(message)s",
@@ -30,9 +42,42 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INF
     )
 
 
-def _fail(error: Exception) -> None:
-    console.print(f"[bold red]error:[/bold red] {error}")
-    raise typer.Exit(code=2)
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _fail(error: Exception | str) -> None:
+    """Print ``error: <message>`` as one line on stderr and exit with :data:`USER_ERROR_EXIT`."""
+    console.print(f"[bold red]error:[/bold red] {escape(_one_line(error))}", soft_wrap=True)
+    raise typer.Exit(code=USER_ERROR_EXIT)
+
+
+def _reports_errors(command):
+    """Run a command so that every failure ends in one line on stderr and a non-zero exit, never a traceback:
+    HartsError (bad input or options) and OS errors (unwritable output, disk full) exit 2; anything else
+    is a bug in HARTS and exits 3 (``--verbose`` logs its traceback)."""
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (typer.Exit, typer.Abort, KeyboardInterrupt):
+            raise
+        except (HartsError, OSError) as error:
+            _fail(error)
+        except MemoryError:
+            _fail("out of memory: the input is too large for this machine (try a smaller batch or capacity)")
+        except Exception as error:  # noqa: BLE001 - last resort: report, do not dump a traceback on the user
+            if _verbose:
+                logger.exception("internal error")
+            console.print(
+                f"[bold red]internal error:[/bold red] {escape(_one_line(f'{type(error).__name__}: {error}'))} "
+                "(a bug in HARTS; rerun with --verbose for the traceback)",
+                soft_wrap=True,
+            )
+            raise typer.Exit(code=INTERNAL_ERROR_EXIT) from None
+
+    return run
 
 
 def _format(value) -> str:
@@ -49,6 +94,7 @@ def print_stats(stats: dict, title: str = "plan") -> None:
 
 
 @app.command("compile")
+@_reports_errors
 def compile_command(
     input: str = typer.Argument(..., help="Node table (.jsonl/.parquet) or preset: demo, swe-like, swe-like:seed=3,scale=0.1,profile=calibrated"),
     output: Path = typer.Option(..., "--output", "-o", help="Plan artifact to write (a directory, or a .safetensors file)."),
@@ -66,42 +112,39 @@ def compile_command(
     from harts.passes.manager import DumpIR, PrintIRAfter, TimePasses
     from harts.workloads import resolve_input
 
-    try:
-        instruments = []
-        if print_ir_after_all:
-            instruments.append(PrintIRAfter(None))
-        elif print_ir_after:
-            instruments.append(PrintIRAfter([p.strip() for p in print_ir_after.split(",") if p.strip()]))
-        if dump_ir is not None:
-            instruments.append(DumpIR(dump_ir))
-        timer = TimePasses() if time_passes else None
-        if timer is not None:
-            instruments.append(timer)
-        with console.status(f"reading {input}"):
-            batch = resolve_input(input)
-        plan = harts.compile(
-            batch, capacity=capacity, dp_size=dp, chunk_size=chunk_size, pipeline=pipeline,
-            verify=False if no_verify else None, instruments=instruments, progress=True,
-        )
-        plan.save(output)
-    except HartsError as error:
-        _fail(error)
+    if dump_ir is not None and dump_ir.exists() and not dump_ir.is_dir():
+        _fail(f"--dump-ir {dump_ir}: it exists and is not a directory; name a directory to dump the stages into")
+    instruments = []
+    if print_ir_after_all:
+        instruments.append(PrintIRAfter(None))
+    elif print_ir_after:
+        instruments.append(PrintIRAfter([p.strip() for p in print_ir_after.split(",") if p.strip()]))
+    if dump_ir is not None:
+        instruments.append(DumpIR(dump_ir))
+    timer = TimePasses() if time_passes else None
+    if timer is not None:
+        instruments.append(timer)
+    with console.status(f"reading {input}"):
+        batch = resolve_input(input)
+    plan = harts.compile(
+        batch, capacity=capacity, dp_size=dp, chunk_size=chunk_size, pipeline=pipeline,
+        verify=False if no_verify else None, instruments=instruments, progress=True,
+    )
+    plan.save(output)
     print_stats(plan.stats, title=f"plan written to {output}")
     if timer is not None:
         console.print(timer.report())
 
 
 @app.command("inspect")
+@_reports_errors
 def inspect_command(
     plan_path: Path = typer.Argument(..., help="Plan artifact written by `harts compile`."),
     as_json: bool = typer.Option(False, "--json", help="Print the full inspect document as JSON."),
     ir: bool = typer.Option(False, "--ir", help="Print the plan's IR text."),
 ) -> None:
     """Show a plan: statistics, microbatches and rounds."""
-    try:
-        plan = harts.load_plan(plan_path)
-    except HartsError as error:
-        _fail(error)
+    plan = harts.load_plan(plan_path)
     if as_json:
         sys.stdout.write(json.dumps(plan.to_json(), indent=2, sort_keys=True) + "\n")
         return
@@ -135,27 +178,29 @@ def passes_command() -> None:
 
 
 @app.command("run")
+@_reports_errors
 def run_command(
     input: str = typer.Argument("demo", help="Rollout batch: node table or preset (default: the bundled demo batch)."),
     preset: str = typer.Option("tiny", "--preset", help="Model preset."),
     chunk_size: int = typer.Option(16, "--chunk-size", help="Linear-attention chunk size B."),
     capacity: int = typer.Option(4096, "--capacity", help="Microbatch capacity T in compact tokens."),
     dp: int = typer.Option(1, "--dp", help="Data-parallel degree D."),
-    repeats: int = typer.Option(3, "--repeats", help="Timed repetitions of each step (after one warm-up)."),
+    repeats: int = typer.Option(3, "--repeats", min=0, help="Timed repetitions of each step (after one warm-up)."),
     recompute: bool = typer.Option(True, "--recompute/--no-recompute", help="Full-layer activation recomputation."),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
 ) -> None:
     """The main job: compile a batch, run one GRPO step with HARTS and the baseline, print the figures."""
     from harts.demo import run_demo
 
-    try:
-        with console.status("compiling and running one GRPO step in both modes"):
-            figures = run_demo(input, preset=preset, chunk_size=chunk_size, capacity=capacity, dp_size=dp,
-                               repeats=repeats, recompute=recompute)
-    except HartsError as error:
-        _fail(error)
+    with console.status("compiling and running one GRPO step in both modes"):
+        figures = run_demo(input, preset=preset, chunk_size=chunk_size, capacity=capacity, dp_size=dp,
+                           repeats=repeats, recompute=recompute)
+    broken = [name for name, value in figures.items() if isinstance(value, float) and not math.isfinite(value)]
+    if broken:
+        _fail(f"the step produced non-finite figures ({', '.join(f'{name} = {figures[name]}' for name in broken)}); "
+              "check the batch's advantages, rewards and masks")
     if as_json:
-        sys.stdout.write(json.dumps(figures, indent=2) + "\n")
+        sys.stdout.write(json.dumps(figures, indent=2, allow_nan=False) + "\n")
         return
     print_stats(figures, title="HARTS vs trajectory-wise baseline, one GRPO step")
 

@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 
 from harts.batch import RolloutBatch
+from harts.compile_options import check_compile_options
 from harts.errors import PipelineError
 from harts.passes import PASS_REGISTRY, PassContext, PassInvocation, lower, parse_pipeline, pipeline_to_text
 from harts.passes.manager import Instrument, instruments_from_environment, run_pipeline, verification_enabled_by_environment
@@ -65,6 +66,7 @@ def compile(  # noqa: A001 - the public name the design asks for
     if pipeline is None:
         pipeline = default_pipeline_text()
     invocations = parse_pipeline(pipeline) if isinstance(pipeline, str) else list(pipeline)
+    check_compile_options(capacity=capacity, dp_size=dp_size, chunk_size=chunk_size, invocations=invocations)
     missing = [name for name in DEFAULT_PIPELINE if name not in PASS_REGISTRY]
     if missing and pipeline == default_pipeline_text():
         raise PipelineError(f"passes {missing} are not available in this installation")

@@ -14,6 +14,7 @@ import torch
 
 import harts
 from harts.batch import RolloutBatch
+from harts.errors import RolloutInputError
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ def run_demo(
     from harts.workloads import resolve_input
 
     batch = resolve_input(input)
+    if all(len(tokens) < 2 for tokens in batch.tokens):
+        raise RolloutInputError(f"input {input!r}: every trajectory has a single token, so no token has a log-prob to train on")
     plan = harts.compile(batch, capacity=capacity, dp_size=dp_size, chunk_size=chunk_size)
     vocab_size = int(max(int(t.max()) for t in batch.tokens)) + 1
     torch.manual_seed(seed)

@@ -32,7 +32,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from harts.batch import RolloutBatch
+from harts.batch import RolloutBatch, adopt
 from harts.errors import RolloutInputError
 from harts.io import SUFFIXES, read_node_table
 
@@ -288,8 +288,8 @@ def swe_like_step(seed: int = 0, scale: float = 1.0, vocab_size: int = 151_000,
         success = rng.beta(1.2, 1.8)
         for path in generator.task(system_prompt):
             path_tokens, loss_mask = _path_arrays(path)
-            tokens.append(path_tokens)
-            masks.append(loss_mask)
+            tokens.append(adopt(path_tokens))  # fresh arrays: the batch takes them without a copy
+            masks.append(adopt(loss_mask))
             groups.append(task)
             rewards.append(float(rng.random() < success))
     groups_array = np.asarray(groups, dtype=np.int64)
