@@ -51,10 +51,14 @@ import numpy as np
 from harts.errors import PlanningError
 from harts.ir.prefix_index import PrefixIndex
 from harts.planner import balance, contiguous, exchange, greedy, repair
+from harts.planner.budget import WorkBudget
 from harts.planner.ranks import RankSpace
 from harts.planner.schedule import assign_slots, objective_of
 
 logger = logging.getLogger(__name__)
+
+#: the stages beyond the paper, each with its own work budget (:mod:`harts.planner.budget`)
+EXTENSION_STAGES = ("recut", "pieces", "exchange", "balance")
 
 
 @attrs.frozen
@@ -91,6 +95,12 @@ class PlannerOptions:
     exchange_candidates: int = 1
     exchange_rounds: int = 32
     exchange_window: int = 8
+    #: partners per unit or subtree in the exchange and balancing neighbourhoods (nearest in work)
+    reach: int = 8
+    #: work budget (:mod:`harts.planner.budget`) of each stage beyond the paper, in work units per trajectory:
+    #: the piece and unit greedies (placements evaluated), subtree exchange and slot balancing (tables
+    #: rebuilt and changes evaluated) each stop once they have used ``work_per_trajectory * N``
+    work_per_trajectory: int = 256
 
 
 @attrs.frozen(eq=False)
@@ -128,6 +138,9 @@ class PlanResult:
     k_range: tuple[int, ...]
     candidates: tuple[tuple[str, int, tuple[int, int, int]], ...]
     seconds: dict
+    #: work units used by each stage beyond the paper, and the budget each had (deterministic)
+    work: dict
+    work_limits: dict
 
 
 def _instantiate(space: RankSpace, labels: np.ndarray, dp_size: int, source: str) -> Candidate:
@@ -187,6 +200,7 @@ def plan(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
         )
     seconds["prepare"] = clock() - started
 
+    budgets = {stage: WorkBudget(limit=options.work_per_trajectory * n) for stage in EXTENSION_STAGES}
     started = clock()
     base: list[tuple[str, np.ndarray]] = []
     exact = n <= options.exact_threshold
@@ -195,7 +209,12 @@ def plan(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
             base.append((f"exact/K={k}", contiguous.labels_from_starts(starts, n)))
     else:
         sampled = contiguous.sampled_k_values(k_values, options.sample_budget)
-        chains = (("fallback", "sampled"), ("always", "sampled-recut")) if options.extended else (("never", "sampled"),)
+        chains = [("fallback", "sampled") if options.extended else ("never", "sampled")]
+        # the re-cut chain scans every adjacent pair and window once per merge (plain Python)
+        recut_cost = 2 * len(natural) * max(0, len(natural) - min(sampled))
+        if options.extended and recut_cost <= budgets["recut"].limit:
+            chains.append(("always", "sampled-recut"))
+            budgets["recut"].charge_round(recut_cost)
         for recut, tag in chains:
             for k, starts in sorted(contiguous.evolve_partitions(space, capacity, natural, sampled, recut).items()):
                 if not (recut == "always" and k >= len(natural)):  # splits do not depend on the merge rule
@@ -211,10 +230,16 @@ def plan(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
     started = clock()
     piece_choices = []
     if options.greedy and options.extended:
+        columns = max(1, -(-lower_bound // capacity))  # a greedy opens at least this many microbatches
         piece_choices.append(greedy.preselect(greedy.piece_plans(space, capacity, dp_size, natural)))
+        budgets["pieces"].charge_round(2 * len(natural) * columns)
         units = contiguous.unit_partition(space, capacity)
-        if len(units) > len(natural):  # units refine the natural partition: equal counts, equal partitions
+        # units refine the natural partition: equal counts give equal partitions; single-trajectory units repeat
+        # the trajectory greedy; a placement that would overrun the budget is not started
+        cost = 2 * len(units) * columns
+        if len(natural) < len(units) < n and budgets["pieces"].used + cost <= budgets["pieces"].limit:
             piece_choices.append(greedy.preselect(greedy.piece_plans(space, capacity, dp_size, units, "units")))
+            budgets["pieces"].charge_round(cost)
     seconds["pieces"] = clock() - started
 
     generated: list[tuple[str, np.ndarray]] = list(base)
@@ -261,7 +286,8 @@ def plan(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
     if options.exchange and options.extended:
         ranked = sorted(enumerate(candidates), key=lambda item: (item[1].objective, item[1].count, item[0]))
         for _, candidate in ranked[: options.exchange_candidates]:
-            exchanged = exchange.exchange_subtrees(space, capacity, candidate.labels, options.exchange_rounds, options.exchange_window)
+            exchanged = exchange.exchange_subtrees(space, capacity, candidate.labels, options.exchange_rounds, options.exchange_window,
+                                                   options.reach, budgets["exchange"])
             exchanged_candidate = _instantiate(space, exchanged, dp_size, f"{candidate.source}+exchanged")
             if exchanged_candidate.objective < candidate.objective and exchanged_candidate.labels.tobytes() not in seen:
                 seen.add(exchanged_candidate.labels.tobytes())
@@ -275,7 +301,8 @@ def plan(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
             exchanging = options.exchange and options.extended
             balanced = balance.balance_slots(space, capacity, candidate.labels, dp_size, options.balance_rounds, options.balance_window,
                                              exchange=exchanging, exchange_window=options.exchange_window,
-                                             free_rounds=options.balance_exchange_rounds if exchanging else 0)
+                                             free_rounds=options.balance_exchange_rounds if exchanging else 0,
+                                             reach=options.reach, budget=budgets["balance"])
             balanced_candidate = _instantiate(space, balanced, dp_size, f"{candidate.source}+balanced")
             if balanced_candidate.objective < candidate.objective and balanced_candidate.labels.tobytes() not in seen:
                 seen.add(balanced_candidate.labels.tobytes())
@@ -300,6 +327,8 @@ def plan(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
         k_range=tuple(k_values),
         candidates=tuple((c.source, c.count, c.objective) for c in candidates),
         seconds=seconds,
+        work={stage: budget.used for stage, budget in budgets.items()},
+        work_limits={stage: budget.limit for stage, budget in budgets.items()},
     )
 
 
