@@ -239,7 +239,7 @@ class RolloutBatch:
     The batch owns its data: every array is a read-only copy (arrays handed over with
     :func:`adopt` excepted), so changing what it was built from changes neither the batch,
     nor its content hash, nor a plan compiled for it. Construction checks every field
-    (:meth:`validate`).
+    (:meth:`validate`) and adds ``loss_mask`` (all ones) when it is not given.
     """
 
     tokens: tuple[np.ndarray, ...]
@@ -254,6 +254,8 @@ class RolloutBatch:
         token_fields = {}
         for name, per_trajectory in dict(self.token_fields).items():
             token_fields[name] = tuple(_owned(as_array(v, f"trajectory {i}: field '{name}'")) for i, v in enumerate(per_trajectory))
+        if "loss_mask" not in token_fields:
+            token_fields["loss_mask"] = tuple(adopt(np.ones(len(t), dtype=np.float32)) for t in tokens)
         trajectory_fields = {name: _owned(as_array(v, f"field '{name}'")) for name, v in dict(self.trajectory_fields).items()}
         tree_ids = None
         if self.tree_ids is not None:
@@ -311,8 +313,6 @@ class RolloutBatch:
                 raise RolloutInputError(
                     f"trajectory {bad}: field '{name}' mixes per-token lists and scalars; give one list per trajectory or one scalar each"
                 )
-        if "loss_mask" not in token_fields:
-            token_fields["loss_mask"] = tuple(adopt(np.ones(len(t), dtype=np.float32)) for t in tokens)
         if tree_ids is None:
             # Trees are the components of the token trie: trajectories with one first token.
             tree_of_first_token: dict[int, int] = {}

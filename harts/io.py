@@ -10,7 +10,14 @@ A node table is one table whose rows each carry a ``kind``:
   trajectory ends, interior nodes allowed), optional ``trajectory_id`` (the batch order)
   and any scalar fields (``group_id``, ``reward``, ``advantage``, ...).
 * an optional ``"schema"`` row (written by :func:`write_node_table`) records the NumPy
-  dtype of every field so that a JSON Lines round trip is exact.
+  dtype of every field so that a JSON Lines round trip is exact, and the content hash of the
+  batch: a table that reads back as anything else (damaged bytes, an edit) is refused. Delete
+  ``content_hash`` from the schema row after editing a written table on purpose.
+
+Reading is strict: every field is given on every node that has tokens or on none (a missing
+``loss_mask`` is never filled with ones beside nodes that have one); values are cast to the
+schema's dtypes only when no value changes (no integer wrap-around, no overflow to infinity);
+masks must be finite and in [0, 1].
 
 A tree without trajectory rows contributes one trajectory per leaf node, in node order.
 Trajectory order: by ``trajectory_id`` when the trajectory rows carry it (trees without
@@ -132,11 +139,13 @@ def _require(row: Mapping[str, Any], column: str, where: str, nullable: bool = F
 
 def _parse_rows(
     rows: Iterable[Mapping[str, Any]], column_dtypes: Mapping[str, np.dtype] | None = None
-) -> tuple[list[_Node], list[_TrajectoryRow], dict[str, str]]:
-    """Split rows into nodes and trajectory rows; check ids and types row by row."""
+) -> tuple[list[_Node], list[_TrajectoryRow], dict[str, str], str | None]:
+    """Split rows into nodes and trajectory rows; check ids and types row by row. Also returns the
+    schema's dtypes and content hash (None without a schema record)."""
     nodes: list[_Node] = []
     trajectories: list[_TrajectoryRow] = []
     schema: dict[str, str] = {}
+    content_hash: str | None = None
     schema_record: int | None = None
     for record, row in enumerate(rows):
         if not isinstance(row, Mapping):
@@ -148,7 +157,7 @@ def _parse_rows(
             if schema_record is not None:
                 raise RolloutInputError(f"record {record}: a second schema record (the first is record {schema_record})")
             schema_record = record
-            schema = _parse_schema(row, f"record {record} (schema)")
+            schema, content_hash = _parse_schema(row, f"record {record} (schema)")
             continue
         if kind not in (NODE_KIND, TRAJECTORY_KIND):
             raise RolloutInputError(
@@ -187,12 +196,22 @@ def _parse_rows(
             trajectories.append(trajectory)
     if column_dtypes:
         schema = {**{k: np.dtype(v).str for k, v in column_dtypes.items()}, **schema}
-    return nodes, trajectories, schema
+    return nodes, trajectories, schema, content_hash
 
 
-def _parse_schema(row: Any, where: str) -> dict[str, str]:
+_SCHEMA_KEYS = frozenset({"kind", "version", "token_fields", "trajectory_fields", "content_hash"})
+
+
+def _parse_schema(row: Any, where: str) -> tuple[dict[str, str], str | None]:
+    """The dtypes a schema record names, and the content hash of the batch it was written from (if recorded)."""
     if not isinstance(row, Mapping):
         raise RolloutInputError(f"{where}: the schema must be an object, got {type(row).__name__}")
+    unknown = sorted(str(key) for key in row if key not in _SCHEMA_KEYS)
+    if unknown:
+        raise RolloutInputError(f"{where}: unknown schema entries {', '.join(_shown(key) for key in unknown[:3])}")
+    content_hash = row.get("content_hash")
+    if content_hash is not None and not isinstance(content_hash, str):
+        raise RolloutInputError(f"{where}: 'content_hash' must be a string")
     if row.get("version") != SCHEMA_VERSION:
         raise RolloutInputError(f"{where}: unsupported schema version {_shown(row.get('version'))}")
     dtypes: dict[str, str] = {}
@@ -202,7 +221,7 @@ def _parse_schema(row: Any, where: str) -> dict[str, str]:
             raise RolloutInputError(f"{where}: '{section}' must map field names to dtypes")
         for name, dtype in entries.items():
             dtypes[name] = _schema_dtype(dtype, kinds, f"{where}: field '{name}'").str
-    return dtypes
+    return dtypes, content_hash
 
 
 def _schema_dtype(text: Any, kinds: str, where: str) -> np.dtype:
@@ -441,8 +460,10 @@ def _trajectory_field_arrays(ordered: list[_TrajectoryRow], schema: Mapping[str,
     return arrays
 
 
-def _batch_from_rows(rows: Iterable[Mapping[str, Any]], column_dtypes: Mapping[str, np.dtype] | None = None) -> RolloutBatch:
-    nodes, trajectory_rows, schema = _parse_rows(rows, column_dtypes)
+def _batch_from_rows(rows: Iterable[Mapping[str, Any]], column_dtypes: Mapping[str, np.dtype] | None = None,
+                     stored_hash: str | None = None) -> RolloutBatch:
+    nodes, trajectory_rows, schema, content_hash = _parse_rows(rows, column_dtypes)
+    content_hash = content_hash if content_hash is not None else stored_hash
     if not nodes:
         raise RolloutInputError("node table: no node rows, so the batch holds no trajectories")
     _check_field_presence(nodes)
@@ -485,6 +506,11 @@ def _batch_from_rows(rows: Iterable[Mapping[str, Any]], column_dtypes: Mapping[s
         trajectory_fields=_trajectory_field_arrays(ordered, schema),
         tree_ids=adopt(np.array([row.tree for row in ordered], dtype=np.int64)),
     )
+    if content_hash is not None and content_hash != batch.content_hash():
+        raise RolloutInputError(
+            "node table: the contents differ from what HARTS wrote (the schema's content_hash does not match): the file "
+            "is damaged, or was edited; if the edit is intended, delete 'content_hash' from the schema record"
+        )
     logger.debug("node table: %d nodes in %d trees, %d trajectories", len(nodes), len(trees), len(ordered))
     return batch
 
@@ -513,7 +539,7 @@ def _read_jsonl_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _read_parquet_rows(path: Path) -> tuple[list[dict[str, Any]], dict[str, np.dtype]]:
+def _read_parquet_rows(path: Path) -> tuple[list[dict[str, Any]], dict[str, np.dtype], str | None]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -562,10 +588,13 @@ def _read_parquet_rows(path: Path) -> tuple[list[dict[str, Any]], dict[str, np.d
             stored = json.loads(metadata[PARQUET_SCHEMA_KEY])
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             raise RolloutInputError(f"{path}: the stored HARTS schema is not valid JSON") from None
-        dtypes.update({k: np.dtype(v) for k, v in _parse_schema(stored, f"{path}: stored HARTS schema").items()})
+        stored_dtypes, content_hash = _parse_schema(stored, f"{path}: stored HARTS schema")
+        dtypes.update({k: np.dtype(v) for k, v in stored_dtypes.items()})
+    else:
+        content_hash = None
     names = list(columns)
     rows = [dict(zip(names, values)) for values in zip(*(columns[n] for n in names))]
-    return rows, dtypes
+    return rows, dtypes, content_hash
 
 
 def _suffix(path: Path) -> str:
@@ -590,8 +619,8 @@ def read_node_table(path: str | os.PathLike[str]) -> RolloutBatch:
     try:
         if suffix == ".jsonl":
             return _batch_from_rows(_read_jsonl_rows(path))
-        rows, dtypes = _read_parquet_rows(path)
-        return _batch_from_rows(rows, dtypes)
+        rows, dtypes, content_hash = _read_parquet_rows(path)
+        return _batch_from_rows(rows, dtypes, content_hash)
     except RolloutInputError as error:
         message = str(error)
         raise RolloutInputError(message if message.startswith(str(path)) else f"{path}: {message}") from None
@@ -698,6 +727,7 @@ class _Table:
     trajectory_fields: dict[str, np.ndarray]
     token_dtypes: dict[str, np.dtype]
     trajectory_dtypes: dict[str, np.dtype]
+    content_hash: str
 
     def schema_record(self) -> dict[str, Any]:
         return {
@@ -705,6 +735,7 @@ class _Table:
             "version": SCHEMA_VERSION,
             "token_fields": {name: dtype.str for name, dtype in self.token_dtypes.items()},
             "trajectory_fields": {name: dtype.str for name, dtype in self.trajectory_dtypes.items()},
+            "content_hash": self.content_hash,
         }
 
 
@@ -736,7 +767,10 @@ def _build_table(batch: RolloutBatch) -> _Table:
     for index, tree in enumerate(tree_ids.tolist()):
         members.setdefault(tree, []).append(index)
 
-    table = _Table([], [], [], [], {c: [] for c in field_values}, [], [], {}, token_dtypes, trajectory_dtypes)
+    # the hash of the batch as it reads back: with the tree ids the table records
+    read_back = batch if batch.tree_ids is not None else attrs.evolve(batch, tree_ids=tree_ids)
+    table = _Table([], [], [], [], {c: [] for c in field_values}, [], [], {}, token_dtypes, trajectory_dtypes,
+                   read_back.content_hash())
     leaf_of = np.zeros(len(batch), dtype=np.int64)
     for tree, tree_members in members.items():
         root = _radix_forest(tree_members, comparable, lengths)

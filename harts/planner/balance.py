@@ -113,9 +113,10 @@ def _holds(held: np.ndarray, trees: int, group: np.ndarray, tree: np.ndarray) ->
 
 
 def _pool(space: RankSpace, capacity: int, labels: np.ndarray, works: np.ndarray, layout: Layout, window: int,
-          dp_size: int, reach: int):
+          dp_size: int, reach: int, saving_work: bool):
     """This round's changes. Every part is bounded by (units or subtrees) x ``reach`` or ``window``, so a round costs
-    time linear in the batch, never the square of it."""
+    time linear in the batch, never the square of it. ``saving_work``: also the subtree changes that only a
+    work-saving swap partner makes worth it, wherever they are (the free rounds, where J1 may fall)."""
     n, count = space.size, works.size
     floor = int(space.lcp[1:].min()) if n > 1 else 0
     pool = _Pool()
@@ -183,7 +184,8 @@ def _pool(space: RankSpace, capacity: int, labels: np.ndarray, works: np.ndarray
         group = layout.group_of_position[first]
         saving, run_work = layout.run_saving(first, last)
         # a run that shares only ``floor`` with its own microbatch is a unit: the unit changes above place it
-        run, target = sharing_receivers(space, labels, layout, first, last, np.maximum(run_work - saving - 1, floor), window)
+        shared = run_work - saving - 1
+        run, target = sharing_receivers(space, labels, layout, first, last, shared if saving_work else np.maximum(shared, floor), window)
         cost, fits = layout.insert_cost(target, first[run], last[run], run_work[run], np.ones_like(run), np.zeros_like(run))
         source = group[run]
         new_u, new_v = works[source] - saving[run], works[target] + cost
@@ -192,7 +194,7 @@ def _pool(space: RankSpace, capacity: int, labels: np.ndarray, works: np.ndarray
         none = np.ones_like(run), np.zeros_like(run)
         pool.add(source, target, first[run], last[run], *none, new_u, new_v, free & (new_v <= capacity))
         # a swap that saves no work changes J2 or L only through a slot's heaviest or lightest microbatch
-        promising = np.flatnonzero(free & ((change < 0) | pivotal[source] | pivotal[target]))
+        promising = np.flatnonzero(free & (saving_work | (change < 0) | pivotal[source] | pivotal[target]))
         if promising.size:
             pick, partner = nearest_runs(group, run_work, target[promising], run_work[run[promising]], count, reach)
             pick = promising[pick]
@@ -238,7 +240,8 @@ def balance_slots(space: RankSpace, capacity: int, labels: np.ndarray, dp_size: 
         if budget.spent:
             break
         layout = Layout(space, labels, count)
-        found = _pool(space, capacity, labels, works, layout, max(window, exchange_window) if exchange else window, dp_size, reach)
+        found = _pool(space, capacity, labels, works, layout, max(window, exchange_window) if exchange else window, dp_size, reach,
+                      saving_work=round_index < free_rounds)
         # a round costs its tables, its pool and at most ``count`` re-checks of pool entries
         budget.charge_round(n + (0 if found is None else found[0].size) + count)
         if found is None:
@@ -257,7 +260,7 @@ def balance_slots(space: RankSpace, capacity: int, labels: np.ndarray, dp_size: 
         ranked = useful[np.lexsort((d[useful], c[useful], b[useful], a[useful], -after_low[useful], after[useful], change[useful]))]
         touched = np.zeros(count, dtype=bool)
         applied = 0
-        tries = count
+        tries = 16 * count
         for k in ranked.tolist():
             first_group, second_group = int(u[k]), int(v[k])
             if touched[first_group] or touched[second_group]:

@@ -92,7 +92,7 @@ class PlannerOptions:
     #: moved or swapped between microbatches when that strictly lowers compact work; needs
     #: ``extended`` (it goes beyond the paper) and only adds candidates
     exchange: bool = True
-    exchange_candidates: int = 1
+    exchange_candidates: int = 2
     exchange_rounds: int = 32
     exchange_window: int = 8
     #: partners per unit or subtree in the exchange and balancing neighbourhoods (nearest in work)
@@ -100,7 +100,7 @@ class PlannerOptions:
     #: work budget (:mod:`harts.planner.budget`) of each stage beyond the paper, in work units per trajectory:
     #: the piece and unit greedies (placements evaluated), subtree exchange and slot balancing (tables
     #: rebuilt and changes evaluated) each stop once they have used ``work_per_trajectory * N``
-    work_per_trajectory: int = 256
+    work_per_trajectory: int = 64
 
 
 @attrs.frozen(eq=False)
