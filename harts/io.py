@@ -288,7 +288,7 @@ def _cast(array: np.ndarray, dtype: np.dtype, where: str, name: str) -> np.ndarr
 
     def refuse(bad: np.ndarray, why: str) -> RolloutInputError:
         index = int(np.flatnonzero(bad)[0])
-        return RolloutInputError(f"{where}: field '{name}' entry {index} is {array[index]!r}, {why} its dtype {dtype}")
+        return RolloutInputError(f"{where}: field '{name}' entry {index} is {array[index].item()!r}, {why} its dtype {dtype}")
 
     if source.kind == "b" and target_kind in "biuf":
         return array.astype(dtype)
@@ -626,6 +626,8 @@ def read_node_table(path: str | os.PathLike[str]) -> RolloutBatch:
         raise RolloutInputError(message if message.startswith(str(path)) else f"{path}: {message}") from None
     except OSError as error:
         raise RolloutInputError(f"{path}: cannot read the node table ({error.strerror or error})") from None
+    except UnicodeDecodeError:
+        raise RolloutInputError(f"{path}: holds text that is not UTF-8 (a damaged file?)") from None
 
 
 # ---------------------------------------------------------------------------- writing
