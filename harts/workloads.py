@@ -32,7 +32,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from harts.batch import RolloutBatch, adopt
+from harts.batch import MAX_TOKEN_ID, RolloutBatch, adopt
 from harts.errors import RolloutInputError
 from harts.io import SUFFIXES, read_node_table
 
@@ -275,13 +275,16 @@ def swe_like_step(seed: int = 0, scale: float = 1.0, vocab_size: int = 151_000,
     """
     if not scale > 0:
         raise RolloutInputError(f"swe-like: option 'scale' must be positive, got {scale!r}")
-    if vocab_size < 2:
-        raise RolloutInputError(f"swe-like: option 'vocab_size' must be at least 2, got {vocab_size!r}")
+    _check_vocabulary("swe-like", vocab_size)
     if profile not in SWE_LIKE_PROFILES:
         raise RolloutInputError(f"swe-like: unknown profile {profile!r}; profiles: {', '.join(SWE_LIKE_PROFILES)}")
     if tasks is not None and not 1 <= tasks <= _MAX_GENERATED_TRAJECTORIES:
         raise RolloutInputError(f"swe-like: option 'tasks' must be in 1..{_MAX_GENERATED_TRAJECTORIES:,}, got {tasks!r}")
     shape = SWE_LIKE_PROFILES[profile]
+    count = max(1, round(shape.tasks * scale)) if tasks is None else tasks
+    paths = min(shape.max_paths, shape.paths_median * np.exp(shape.paths_sigma**2 / 2))
+    length = min(MAX_TRAJECTORY_TOKENS, shape.horizon_median * scale * np.exp(shape.horizon_sigma**2 / 2))
+    _check_generated_tokens("swe-like", count * paths * length)
     rng = np.random.default_rng(seed)
     generator = _SweLikeGenerator(rng, scale, vocab_size, shape)
     system_prompt = generator._tokens(generator._uniform_length(shape.system_prompt_tokens))
@@ -324,13 +327,28 @@ def swe_like_steps(count: int = 10, scale: float = 1.0, profile: str = DEFAULT_S
 # --shapes): no sharing at all, one very wide tree, GRPO groups. Prompt tokens carry loss mask 0, generated
 # tokens 1; every trajectory gets a 0/1 reward and a GRPO advantage within its group.
 
-#: generators refuse more trajectories than this (a typo such as groups=2560000 should not exhaust memory)
+#: generators refuse more trajectories, or more expected raw tokens, than this (a typo such as groups=2560000 or
+#: scale=100 should fail at once, not exhaust the machine's memory)
 _MAX_GENERATED_TRAJECTORIES = 1_000_000
+MAX_GENERATED_TOKENS = 1_000_000_000
 
 
-def _check_count(preset: str, name: str, value: int, low: int = 1) -> None:
-    if not low <= value <= _MAX_GENERATED_TRAJECTORIES:
-        raise RolloutInputError(f"{preset}: option '{name}' must be in {low}..{_MAX_GENERATED_TRAJECTORIES:,}, got {value!r}")
+def _check_generated_tokens(preset: str, expected: float) -> None:
+    if expected > MAX_GENERATED_TOKENS:
+        raise RolloutInputError(
+            f"{preset}: these options generate about {expected:,.0f} tokens, more than the {MAX_GENERATED_TOKENS:,} "
+            "a generated batch may hold; lower the scale or the counts"
+        )
+
+
+def _check_count(preset: str, name: str, value: int, low: int = 1, high: int = _MAX_GENERATED_TRAJECTORIES) -> None:
+    if not low <= value <= high:
+        raise RolloutInputError(f"{preset}: {name} must be in {low:,}..{high:,}, got {value!r}")
+
+
+def _check_vocabulary(preset: str, vocab_size: int) -> None:
+    if not 2 <= vocab_size <= MAX_TOKEN_ID + 1:
+        raise RolloutInputError(f"{preset}: option 'vocab_size' must be at least 2 and at most {MAX_TOKEN_ID + 1:,}, got {vocab_size!r}")
 
 
 def _prompted_batch(rng: np.random.Generator, prompts: list[np.ndarray], responses: list[tuple[int, np.ndarray]]) -> RolloutBatch:
@@ -351,11 +369,13 @@ def no_sharing_step(trajectories: int = 1500, min_tokens: int = 1000, max_tokens
                     vocab_size: int = 151_000) -> RolloutBatch:
     """``trajectories`` unrelated single-turn trajectories (distinct first tokens: no shared prefix at all),
     lengths uniform in ``[min_tokens, max_tokens]`` (by default 4.6M tokens for 1,500)."""
-    _check_count("no-sharing", "trajectories", trajectories)
+    _check_count("no-sharing", "option 'trajectories'", trajectories)
+    _check_vocabulary("no-sharing", vocab_size)
     if not 1 <= min_tokens <= max_tokens <= MAX_TRAJECTORY_TOKENS:
         raise RolloutInputError(f"no-sharing: need 1 <= min_tokens <= max_tokens <= {MAX_TRAJECTORY_TOKENS}, got {min_tokens}, {max_tokens}")
     if trajectories > vocab_size:
         raise RolloutInputError(f"no-sharing: {trajectories} distinct first tokens need vocab_size >= {trajectories}")
+    _check_generated_tokens("no-sharing", trajectories * (min_tokens + max_tokens) / 2)
     rng = np.random.default_rng(seed)
     firsts = rng.permutation(vocab_size)[:trajectories]
     lengths = rng.integers(min_tokens, max_tokens + 1, size=trajectories)
@@ -368,9 +388,11 @@ def wide_tree_step(leaves: int = 2000, prompt_tokens: int = 2000, min_tokens: in
                    seed: int = 0, vocab_size: int = 151_000) -> RolloutBatch:
     """One very wide rollout tree: ``leaves`` responses (lengths uniform in ``[min_tokens, max_tokens]``) forking
     from one ``prompt_tokens``-token prompt."""
-    _check_count("wide-tree", "leaves", leaves)
+    _check_count("wide-tree", "option 'leaves'", leaves)
+    _check_vocabulary("wide-tree", vocab_size)
     if not 1 <= prompt_tokens or not 1 <= min_tokens <= max_tokens or prompt_tokens + max_tokens > MAX_TRAJECTORY_TOKENS:
         raise RolloutInputError(f"wide-tree: need prompt and response lengths >= 1 with prompt + max_tokens <= {MAX_TRAJECTORY_TOKENS}")
+    _check_generated_tokens("wide-tree", leaves * (prompt_tokens + (min_tokens + max_tokens) / 2))
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, vocab_size, size=prompt_tokens, dtype=np.int64)
     lengths = rng.integers(min_tokens, max_tokens + 1, size=leaves)
@@ -381,11 +403,13 @@ def grpo_step(groups: int = 256, group_size: int = 16, min_prompt: int = 200, ma
               min_tokens: int = 100, max_tokens: int = 8000, seed: int = 0, vocab_size: int = 151_000) -> RolloutBatch:
     """GRPO groups: ``groups`` prompts (lengths uniform in ``[min_prompt, max_prompt]``), each answered
     ``group_size`` times (lengths uniform in ``[min_tokens, max_tokens]``); by default 4,096 trajectories, 23M tokens."""
-    _check_count("grpo", "groups", groups)
-    _check_count("grpo", "group_size", group_size)
-    _check_count("grpo", "trajectories", groups * group_size)
+    _check_count("grpo", "option 'groups'", groups)
+    _check_count("grpo", "option 'group_size'", group_size)
+    _check_count("grpo", "groups x group_size (the trajectories)", groups * group_size)
+    _check_vocabulary("grpo", vocab_size)
     if not 1 <= min_prompt <= max_prompt or not 1 <= min_tokens <= max_tokens or max_prompt + max_tokens > MAX_TRAJECTORY_TOKENS:
         raise RolloutInputError(f"grpo: need lengths >= 1 with max_prompt + max_tokens <= {MAX_TRAJECTORY_TOKENS}")
+    _check_generated_tokens("grpo", groups * group_size * (min_prompt + max_prompt + min_tokens + max_tokens) / 2)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, vocab_size, size=int(n), dtype=np.int64) for n in rng.integers(min_prompt, max_prompt + 1, size=groups)]
     lengths = rng.integers(min_tokens, max_tokens + 1, size=groups * group_size)

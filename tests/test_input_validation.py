@@ -374,3 +374,23 @@ def test_unwritable_outputs_raise_harts_errors(tmp_path):
     with pytest.raises(OutputError, match=r"cannot dump the IR to .*file"):
         harts.compile(RolloutBatch.from_trajectories(TOKENS), capacity=64, chunk_size=4, instruments=[DumpIR(blocker)])
     assert blocker.read_text() == "mine"
+
+
+GENERATOR_OPTIONS = {
+    "swe-like:scale=100": "swe-like: these options generate about",
+    "swe-like:tasks=0": "swe-like: option 'tasks' must be in 1..1,000,000, got 0",
+    "grpo:groups=100000": "grpo: groups x group_size (the trajectories) must be in 1..1,000,000",
+    "grpo:vocab_size=0": "grpo: option 'vocab_size' must be at least 2",
+    "no-sharing:trajectories=0": "no-sharing: option 'trajectories' must be in 1..1,000,000, got 0",
+    "wide-tree:prompt_tokens=70000": "wide-tree: need prompt and response lengths >= 1 with prompt + max_tokens <= 65535",
+    "wide-tree:colour=red": "preset 'wide-tree': unknown option 'colour=red'",
+}
+
+
+@pytest.mark.parametrize("spec", sorted(GENERATOR_OPTIONS))
+def test_generated_presets_refuse_options_that_cannot_or_should_not_be_built(spec):
+    from harts.workloads import resolve_input
+
+    with pytest.raises(RolloutInputError) as error:
+        resolve_input(spec)
+    assert GENERATOR_OPTIONS[spec] in str(error.value)

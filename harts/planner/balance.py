@@ -6,21 +6,28 @@ With the total work J1 fixed, a lower J2 means less summed excess of the slot ma
 the slot means (``D * J2 - J1``, the numerator of Eq. 23 summed over slots).
 
 Each round evaluates a pool of changes that move one run of a microbatch's members (a
-*subtree*) to another microbatch, or swap two such runs:
+*subtree*) to another microbatch, or swap two such runs. Every neighbourhood is bounded, so a
+round costs time linear in the batch (all pairs of units, as an earlier version tried, cost
+N^2 per round on a batch without sharing or with one very wide tree):
 
 * *units*: the runs of a microbatch that share only the batch-wide common prefix with the
   rest of it (for the SWE-like steps, one task's trajectories; a microbatch holding one task
-  is one unit). Every unit may move from a microbatch with several units to any other
-  microbatch, and any two units of different microbatches may swap. Between different trees
-  these changes cost no work, and with many units of assorted sizes their differences give
-  fine-grained transfers;
+  is one unit; without any sharing, one trajectory). A change of units costs no work, so it
+  alters J2 only where a slot maximum falls: units leave the *critical* microbatches (each
+  slot's heaviest and those tied with it). A unit of size s in critical u moves to the
+  ``reach`` heaviest microbatches of work at most w(u) - s, and to the ``reach`` whose room
+  below their own slot's maximum fits s most tightly (filling a heavy slot lets u's slot get
+  lighter without any slot getting heavier); it swaps with the ``reach`` units just smaller
+  than it, anywhere (the finest transfers);
 * *subtrees* (LCP intervals of a microbatch's sorted members, single trajectories included):
-  moves to the microbatches holding a rank that shares at least as much with the subtree as
-  its own microbatch does (another piece of the same tree; the ``window`` nearest runs of
-  equal labels on either side), and swaps with that microbatch's subtrees of the same tree,
-  or with any of its subtrees when the move alone already saves work (the swap makes room).
-  With ``exchange`` these include the work-saving changes of :mod:`harts.planner.exchange`:
-  balancing frees capacity that lets more subtrees go home.
+  moves to the microbatches holding a rank that shares more than the batch-wide prefix and
+  at least as much with the subtree as its own microbatch does (another piece of the same
+  tree; the ``window`` nearest runs of equal labels on either side), and swaps with that
+  microbatch's ``reach`` subtrees nearest in work on either side, when the move alone already
+  saves work or either microbatch is a slot's heaviest or lightest (else the swap changes
+  neither J2 nor L). With ``exchange`` these include the work-saving changes of
+  :mod:`harts.planner.exchange`: balancing frees capacity that lets more subtrees go home; in
+  the free rounds (below) the subtree changes are not narrowed to critical microbatches.
 
 Work changes are exact (Eq. 5 through pairwise LCPs; inserts are proposed only where no
 remaining member of the receiver lies between the run's ends). The new J2 of every change is
@@ -34,9 +41,9 @@ maximum, no single change lowers J2, but raising the slot's lightest one (L grow
 unchanged) makes the next change possible. In the first ``free_rounds`` rounds a change that
 saves work is admissible even when the excess grows (J1 comes first in J). A round ranks the
 pool by (work change, new J2, -new L) and applies changes in that order on microbatches no
-earlier change of the round touched, re-checking each against the current works; the next
-round rebuilds the pool. Balancing stops after ``rounds`` rounds or after a round that changes
-nothing. K, coverage, nonemptiness and capacity are preserved; total compact work never
+earlier change of the round touched, re-checking each (at most K per round) against the current works; the next
+round rebuilds the pool. Balancing stops after ``rounds`` rounds, after a round that changes
+nothing, or once its work budget (:mod:`harts.planner.budget`) is spent. K, coverage, nonemptiness and capacity are preserved; total compact work never
 increases and (J1, J2, -L) strictly falls with every applied change, so the search cannot
 cycle. The result is returned only when its J is strictly lower than the input's (plateau
 changes alone leave J1 and J2 equal and may move J3 either way); otherwise the input is.
@@ -221,8 +228,8 @@ def balance_slots(space: RankSpace, capacity: int, labels: np.ndarray, dp_size: 
     more subtrees go home. In the first ``free_rounds`` rounds a change that saves work is taken
     even when it raises the summed slot excess (J1 comes first in J); later rounds keep the rule.
     ``reach`` bounds each unit's and subtree's partners (see the module docstring); ``budget``
-    (:mod:`harts.planner.budget`) is charged a round's trajectories, pool entries and re-checks,
-    and balancing stops before a round it cannot afford.
+    (:mod:`harts.planner.budget`) is charged each round's trajectories, pool entries and K
+    re-checks, and no round starts once it is spent.
     """
     budget = unlimited() if budget is None else budget
     original = labels
@@ -260,7 +267,7 @@ def balance_slots(space: RankSpace, capacity: int, labels: np.ndarray, dp_size: 
         ranked = useful[np.lexsort((d[useful], c[useful], b[useful], a[useful], -after_low[useful], after[useful], change[useful]))]
         touched = np.zeros(count, dtype=bool)
         applied = 0
-        tries = 16 * count
+        tries = count
         for k in ranked.tolist():
             first_group, second_group = int(u[k]), int(v[k])
             if touched[first_group] or touched[second_group]:

@@ -38,6 +38,13 @@ within-slot balancing (``harts.planner.balance``: exact subtree and unit moves a
 never add compact work, scored by the exact J2 after the slot rule), added as
 ``...+balanced``. Each copy is added only when its J is strictly lower. The
 lexicographically smallest J wins (ties: smaller K, then the first generated).
+
+Planning time is charged to the speedup (§3.2), so every stage beyond the paper (the re-cut
+chain, the piece and unit greedies, subtree exchange, slot balancing) has a work budget of
+``work_per_trajectory * N`` units (:mod:`harts.planner.budget`) and bounded neighbourhoods: a
+stage costs time near-linear in N on every batch shape, and what it found before its budget ran
+out still competes. Since every paper candidate competes too, the plan's J is never worse than
+the paper's stages alone. ``PlanResult.work`` reports the units each stage used.
 """
 
 from __future__ import annotations
