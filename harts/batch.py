@@ -429,7 +429,7 @@ class RolloutBatch:
 
     def subset(self, indices: Sequence[int]) -> "RolloutBatch":
         """A batch of the given trajectories (in the given order), metadata kept."""
-        indices = list(indices)
+        indices = integer_array(indices, "subset: trajectory indices", 0, len(self.tokens) - 1, "a trajectory index").tolist()
         return RolloutBatch(
             tokens=tuple(self.tokens[i] for i in indices),
             token_fields={k: tuple(v[i] for i in indices) for k, v in self.token_fields.items()},

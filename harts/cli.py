@@ -206,6 +206,7 @@ def run_command(
 
 
 @app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@_reports_errors
 def bench_command(ctx: typer.Context) -> None:
     """Runtime benchmark: baseline vs HARTS F/B/Grad, Core, memory, fidelity (options: harts bench --help-bench)."""
     from harts.bench import main as bench_main
