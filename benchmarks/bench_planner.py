@@ -355,38 +355,26 @@ def main() -> None:
                         help="time the planner per batch shape instead (no names: every shape)")
     parser.add_argument("--shape-dp", type=int, default=8, help="the DP degree of --shapes")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.shape_names is not None:
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
         args.shape_names = args.shape_names or list(SHAPES)
+        result = json.loads(args.from_json.read_text()) if args.from_json else run_shapes(args)
+        text = render_shapes(result)
+    else:
+        if args.table2_dp not in args.dp:
+            args.dp = [*args.dp, args.table2_dp]
         if args.from_json:
             result = json.loads(args.from_json.read_text())
-            args.json = None
+            for step in result["steps"]:
+                step["per_dp"] = {int(dp): entry for dp, entry in step["per_dp"].items()}
         else:
-            result = run_shapes(args)
-        text = render_shapes(result)
-        print(text)
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=1, default=str))
-        if args.update_results:
-            update_results(args.update_results, text, args.notes.read_text() if args.notes else "")
-        return
-    if args.table2_dp not in args.dp:
-        args.dp = [*args.dp, args.table2_dp]
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.from_json:
-        result = json.loads(args.from_json.read_text())
-        for step in result["steps"]:
-            step["per_dp"] = {int(dp): entry for dp, entry in step["per_dp"].items()}
-        args.json = None
-    else:
-        result = run(args)
-    text = render(result)
+            result = run(args)
+        text = render(result)
     print(text)
-    if args.json:
+    if args.json and not args.from_json:
         args.json.write_text(json.dumps(result, indent=1, default=str))
     if args.update_results:
         update_results(args.update_results, text, args.notes.read_text() if args.notes else "")
-
 
 if __name__ == "__main__":
     main()

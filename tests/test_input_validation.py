@@ -190,14 +190,6 @@ PARTIAL_FIELDS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(PARTIAL_FIELDS))
-def test_a_field_on_some_nodes_only_is_an_error_naming_the_nodes(case):
-    records, message = PARTIAL_FIELDS[case]
-    with pytest.raises(RolloutInputError) as error:
-        read_node_table_records(records)
-    assert message in str(error.value)
-
-
 def test_nodes_without_tokens_may_omit_per_token_fields():
     batch = read_node_table_records([node(0, 0, None, []), node(0, 1, 0, [3, 4], loss_mask=[0, 1])])
     assert batch.loss_mask[0].tolist() == [0, 1]
@@ -233,9 +225,9 @@ LOSSY_CASTS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(LOSSY_CASTS))
-def test_casts_that_would_change_a_value_are_refused(case):
-    records, message = LOSSY_CASTS[case]
+@pytest.mark.parametrize("case", sorted({**PARTIAL_FIELDS, **LOSSY_CASTS}))
+def test_partial_fields_and_casts_that_would_change_a_value_are_refused_naming_the_culprit(case):
+    records, message = {**PARTIAL_FIELDS, **LOSSY_CASTS}[case]
     with pytest.raises(RolloutInputError) as error:
         read_node_table_records(records)
     assert message in str(error.value)
