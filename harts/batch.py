@@ -18,6 +18,7 @@ import functools
 import hashlib
 import numbers
 import sys
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -90,11 +91,15 @@ def _first_bad(entries: list, test) -> int:
     return next((i for i, v in enumerate(entries) if test(v)), 0)
 
 
-def integer_array(values: Any, where: str, minimum: int, maximum: int, what: str = "an integer") -> np.ndarray:
-    """``values`` as a flat int64 array whose entries lie in ``[minimum, maximum]``, or an error naming ``where`` and the entry."""
+def integer_array(values: Any, where: str, minimum: int, maximum: int, what: str = "an integer", *,
+                  below: str | None = None, above: str | None = None, items: str = "") -> np.ndarray:
+    """``values`` as a flat int64 array whose entries lie in ``[minimum, maximum]``, or an error naming ``where``
+    and the entry (``below`` / ``above``: how to say that an entry is out of range; ``items``: what the list holds)."""
+    below = below or f"below the smallest allowed {minimum}"
+    above = above or f"above the largest allowed {maximum}"
     array = as_array(values, where)
     if array.ndim != 1:
-        raise RolloutInputError(f"{where} must be a flat list, got shape {array.shape}")
+        raise RolloutInputError(f"{where} must be a flat list{items}, got shape {array.shape}")
     if array.size == 0:
         return np.empty(0, dtype=np.int64)
     if array.dtype.kind not in "iu":
@@ -102,18 +107,16 @@ def integer_array(values: Any, where: str, minimum: int, maximum: int, what: str
         entries = list(values) if isinstance(values, (list, tuple)) and len(values) == array.size else array.tolist()
         bad = _first_bad(entries, lambda v: isinstance(v, bool) or not isinstance(v, numbers.Integral))
         value = entries[bad]
-        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):  # integers too large for NumPy
             bad = _first_bad(entries, lambda v: not minimum <= v <= maximum)
-            limit = f"below the smallest allowed {minimum}" if entries[bad] < minimum else f"above the largest allowed {maximum}"
-            raise RolloutInputError(f"{where} entry {bad} is {entries[bad]}, {limit}")
+            raise RolloutInputError(f"{where} entry {bad} is {entries[bad]}, {below if entries[bad] < minimum else above}")
         raise RolloutInputError(f"{where} entry {bad} is {value!r}, not {what}")
-    low, high = array.min(), array.max()
-    if low < minimum:
+    if array.min() < minimum:
         bad = int(np.flatnonzero(array < minimum)[0])
-        raise RolloutInputError(f"{where} entry {bad} is {int(array[bad])}, below the smallest allowed {minimum}")
-    if high > maximum:
+        raise RolloutInputError(f"{where} entry {bad} is {int(array[bad])}, {below}")
+    if array.max() > maximum:
         bad = int(np.flatnonzero(array > maximum)[0])
-        raise RolloutInputError(f"{where} entry {bad} is {int(array[bad])}, above the largest allowed {maximum}")
+        raise RolloutInputError(f"{where} entry {bad} is {int(array[bad])}, {above}")
     return array.astype(np.int64, copy=False)
 
 
@@ -122,17 +125,8 @@ def token_id_array(values: Any, where: str) -> np.ndarray:
 
     ``where`` names the place, e.g. ``"trajectory 3: field 'tokens'"``.
     """
-    try:
-        return integer_array(values, where, 0, MAX_TOKEN_ID, "an integer token id")
-    except RolloutInputError as error:
-        message = str(error)
-        if "must be a flat list" in message:
-            raise RolloutInputError(message.replace("must be a flat list", "must be a flat list of token ids")) from None
-        if "below the smallest allowed 0" in message:
-            raise RolloutInputError(message.replace("below the smallest allowed 0", "token ids must be >= 0")) from None
-        if "above the largest allowed" in message:
-            raise RolloutInputError(message.replace("above the largest allowed", "above the largest id")) from None
-        raise
+    return integer_array(values, where, 0, MAX_TOKEN_ID, "an integer token id", below="token ids must be >= 0",
+                         above=f"above the largest id {MAX_TOKEN_ID}", items=" of token ids")
 
 
 def _as_token_array(values: Any, trajectory: int) -> np.ndarray:
@@ -142,27 +136,34 @@ def _as_token_array(values: Any, trajectory: int) -> np.ndarray:
     return array
 
 
+#: the arrays handed to batches through :func:`adopt`, by id (entries vanish with their arrays)
+_ADOPTED: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+
+
 def adopt(array: np.ndarray) -> np.ndarray:
     """Mark a freshly built array as a batch's own (read-only, not copied).
 
     Only for arrays nobody else holds: readers and generators use it to hand over what they
-    built without a second copy. Anything else a batch receives is copied.
+    built without a second copy (a view is copied, since its base may be written through).
+    Anything else a batch receives is copied.
     """
+    if array.base is not None:
+        array = np.array(array, copy=True)
     array.flags.writeable = False
+    _ADOPTED[id(array)] = array
     return array
 
 
 def _is_immutable(array: np.ndarray) -> bool:
-    """True when neither ``array`` nor any array it views can be written through."""
-    while True:
-        if array.flags.writeable:
-            return False
-        base = array.base
-        if base is None:
-            return True
-        if not isinstance(base, np.ndarray):
+    """True for an adopted array or a view of one: read-only, and no caller holds a writable alias.
+
+    A read-only flag alone is not enough: the caller may own the array and switch it back.
+    """
+    while array.base is not None:
+        if not isinstance(array.base, np.ndarray):
             return False  # a buffer someone else owns (bytes, mmap, a torch tensor)
-        array = base
+        array = array.base
+    return _ADOPTED.get(id(array)) is array and not array.flags.writeable
 
 
 def _owned(array: np.ndarray) -> np.ndarray:
