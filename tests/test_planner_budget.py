@@ -117,3 +117,13 @@ def test_balancing_a_wide_tree_evaluates_a_linear_pool_per_round():
     budget = WorkBudget(limit=1 << 40)
     balance_slots(space, capacity, labels, 8, rounds=4, budget=budget, reach=8)
     assert budget.largest_round <= 40 * index.size  # the all-pairs pool alone was about N^2 / 2 = 80,000 entries
+
+
+def test_piece_greedies_open_more_microbatches_than_the_trie_needs():
+    """A long shared prompt repeated by every microbatch: the plan needs far more microbatches than G / T, and the
+    piece greedy's tables (sized from G / T to stay linear) must grow rather than fail."""
+    batch = wide_tree_step(leaves=100, prompt_tokens=900, min_tokens=50, max_tokens=50, seed=1)
+    index = index_of(batch)
+    result = plan(index, PlannerOptions(capacity=1000, dp_size=2))
+    assert len(result.works) >= 50 > 2 * -(-index.interval_work(0, index.size - 1) // 1000) + 8
+    assert max(result.works) <= 1000 and sorted(t for group in result.microbatches for t in group) == list(range(100))

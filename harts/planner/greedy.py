@@ -387,6 +387,8 @@ def place_pieces(space: RankSpace, capacity: int, starts: np.ndarray, policy: st
                 column = int(np.where(feasible, score, -1).argmax())
                 packing.insert_run(first, last, column, int(delta[column]))
                 continue
+        if packing.used == packing.work.shape[0]:
+            packing._grow()
         column = packing.used
         packing.used += 1
         packing.alive[column] = True
