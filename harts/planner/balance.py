@@ -119,11 +119,40 @@ def _holds(held: np.ndarray, trees: int, group: np.ndarray, tree: np.ndarray) ->
     return held[np.minimum(np.searchsorted(held, keys), held.size - 1)] == keys
 
 
+def _all_unit_changes(pool: _Pool, capacity: int, works, unit_first, unit_last, unit_group, unit_tree, unit_size, held,
+                      trees: int, per_group) -> None:
+    """Every unit move (from a microbatch of several units, to any microbatch) and every swap of two units."""
+    count = works.size
+    movable = np.flatnonzero(per_group[unit_group] >= 2)
+    if movable.size:
+        unit, target = np.repeat(movable, count), np.tile(np.arange(count), movable.size)
+        source = unit_group[unit]
+        new_u, new_v = works[source] - unit_size[unit], works[target] + unit_size[unit]
+        none = np.ones_like(unit), np.zeros_like(unit)
+        pool.add(source, target, unit_first[unit], unit_last[unit], *none, new_u, new_v,
+                 (target != source) & ~_holds(held, trees, target, unit_tree[unit]) & (new_v <= capacity))
+    if unit_first.size > 1:
+        mine, theirs = np.triu_indices(unit_first.size, 1)
+        _add_unit_swaps(pool, capacity, works, mine, theirs, unit_first, unit_last, unit_group, unit_tree, unit_size, held, trees)
+
+
+def _add_unit_swaps(pool: _Pool, capacity: int, works, mine, theirs, unit_first, unit_last, unit_group, unit_tree, unit_size,
+                    held, trees: int) -> None:
+    """Swaps of units ``mine[i]`` and ``theirs[i]`` that keep every microbatch's trees distinct (so they are exact)."""
+    u, v = unit_group[mine], unit_group[theirs]
+    difference = unit_size[theirs] - unit_size[mine]
+    new_u, new_v = works[u] + difference, works[v] - difference
+    distinct = (unit_tree[mine] == unit_tree[theirs]) | (~_holds(held, trees, v, unit_tree[mine]) & ~_holds(held, trees, u, unit_tree[theirs]))
+    pool.add(u, v, unit_first[mine], unit_last[mine], unit_first[theirs], unit_last[theirs], new_u, new_v,
+             (u != v) & distinct & (difference != 0) & (new_u <= capacity) & (new_v <= capacity))
+
+
 def _pool(space: RankSpace, capacity: int, labels: np.ndarray, works: np.ndarray, layout: Layout, window: int,
-          dp_size: int, reach: int, saving_work: bool):
+          dp_size: int, reach: int, saving_work: bool, allowance: int):
     """This round's changes. Every part is bounded by (units or subtrees) x ``reach`` or ``window``, so a round costs
-    time linear in the batch, never the square of it. ``saving_work``: also the subtree changes that only a
-    work-saving swap partner makes worth it, wherever they are (the free rounds, where J1 may fall)."""
+    time linear in the batch, never the square of it; when every unit move and swap fits in ``allowance`` entries
+    (few units: whole trees), all of them are taken instead. ``saving_work``: also the subtree changes that only
+    a work-saving swap partner makes worth it, wherever they are (the free rounds, where J1 may fall)."""
     n, count = space.size, works.size
     floor = int(space.lcp[1:].min()) if n > 1 else 0
     pool = _Pool()
@@ -149,7 +178,12 @@ def _pool(space: RankSpace, capacity: int, labels: np.ndarray, works: np.ndarray
     # slot minima (and ties): raising one lifts L, which crosses plateaus of J2 (see the module docstring)
     pivotal = critical | (works == works[descending][np.minimum(slot_start + dp_size - 1, count - 1)])
     per_group = np.bincount(unit_group, minlength=count)
-    leaving = np.flatnonzero(critical[unit_group] & (unit_size > 0))
+    units = unit_first.size
+    if int((per_group[unit_group] >= 2).sum()) * count + units * (units - 1) // 2 <= allowance:
+        _all_unit_changes(pool, capacity, works, unit_first, unit_last, unit_group, unit_tree, unit_size, held, trees, per_group)
+        leaving = np.zeros(0, dtype=np.int64)  # the bounded neighbourhoods below are subsets of these
+    else:
+        leaving = np.flatnonzero(critical[unit_group] & (unit_size > 0))
 
     # moves: to the ``reach`` heaviest microbatches that stay at or below the source's old work, and to the
     # ``reach`` whose room below their own slot's maximum fits the unit most tightly (filling a heavy slot
@@ -175,13 +209,8 @@ def _pool(space: RankSpace, capacity: int, labels: np.ndarray, works: np.ndarray
         by_size = np.lexsort((np.arange(unit_size.size), unit_size))
         below = np.searchsorted(unit_size[by_size], unit_size[leaving], side="left")
         owner, at = around(below, np.zeros_like(below), below, reach)
-        mine, theirs = leaving[owner], by_size[at]
-        u, v = unit_group[mine], unit_group[theirs]
-        difference = unit_size[theirs] - unit_size[mine]
-        new_u, new_v = works[u] + difference, works[v] - difference
-        distinct = (unit_tree[mine] == unit_tree[theirs]) | (~_holds(held, trees, v, unit_tree[mine]) & ~_holds(held, trees, u, unit_tree[theirs]))
-        pool.add(u, v, unit_first[mine], unit_last[mine], unit_first[theirs], unit_last[theirs], new_u, new_v,
-                 (u != v) & distinct & (difference != 0) & (new_u <= capacity) & (new_v <= capacity))
+        _add_unit_swaps(pool, capacity, works, leaving[owner], by_size[at], unit_first, unit_last, unit_group, unit_tree,
+                        unit_size, held, trees)
 
     # subtrees: moves to microbatches holding ranks that share as much; swaps with the ``reach`` subtrees of
     # such a microbatch nearest in work on either side, when the move alone already saves work or the
@@ -248,7 +277,7 @@ def balance_slots(space: RankSpace, capacity: int, labels: np.ndarray, dp_size: 
             break
         layout = Layout(space, labels, count)
         found = _pool(space, capacity, labels, works, layout, max(window, exchange_window) if exchange else window, dp_size, reach,
-                      saving_work=round_index < free_rounds)
+                      saving_work=round_index < free_rounds, allowance=min(budget.limit // 4, 1 << 20))
         # a round costs its tables, its pool and at most ``count`` re-checks of pool entries
         budget.charge_round(n + (0 if found is None else found[0].size) + count)
         if found is None:

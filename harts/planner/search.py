@@ -41,7 +41,7 @@ lexicographically smallest J wins (ties: smaller K, then the first generated).
 
 Planning time is charged to the speedup (§3.2), so every stage beyond the paper (the re-cut
 chain, the piece and unit greedies, subtree exchange, slot balancing) has a work budget of
-``work_per_trajectory * N`` units (:mod:`harts.planner.budget`) and bounded neighbourhoods: a
+``<stage>_work * N`` units (:mod:`harts.planner.budget`) and bounded neighbourhoods: a
 stage costs time near-linear in N on every batch shape, and what it found before its budget ran
 out still competes. Since every paper candidate competes too, the plan's J is never worse than
 the paper's stages alone. ``PlanResult.work`` reports the units each stage used.
@@ -104,10 +104,15 @@ class PlannerOptions:
     exchange_window: int = 8
     #: partners per unit or subtree in the exchange and balancing neighbourhoods (nearest in work)
     reach: int = 8
-    #: work budget (:mod:`harts.planner.budget`) of each stage beyond the paper, in work units per trajectory:
-    #: the piece and unit greedies (placements evaluated), subtree exchange and slot balancing (tables
-    #: rebuilt and changes evaluated) each stop once they have used ``work_per_trajectory * N``
-    work_per_trajectory: int = 64
+    #: work budgets (:mod:`harts.planner.budget`) of the stages beyond the paper, in units per trajectory (a
+    #: stage stops, or is not started, once it would use more than this times N). A unit of the re-cut chain is
+    #: one adjacent pair or window scanned (plain Python, about 0.1 us); of the piece and unit greedies one
+    #: piece evaluated against one open microbatch (Eq. 10, vectorised, about 0.2 us); of subtree exchange and
+    #: slot balancing one exact change evaluated or one trajectory of a round's tables (about 1 us)
+    recut_work: int = 256
+    pieces_work: int = 256
+    exchange_work: int = 64
+    balance_work: int = 128
 
 
 @attrs.frozen(eq=False)
@@ -207,7 +212,7 @@ def plan(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
         )
     seconds["prepare"] = clock() - started
 
-    budgets = {stage: WorkBudget(limit=options.work_per_trajectory * n) for stage in EXTENSION_STAGES}
+    budgets = {stage: WorkBudget(limit=getattr(options, f"{stage}_work") * n) for stage in EXTENSION_STAGES}
     started = clock()
     base: list[tuple[str, np.ndarray]] = []
     exact = n <= options.exact_threshold
