@@ -12,7 +12,10 @@ N^2 per round on a batch without sharing or with one very wide tree):
 
 * *units*: the runs of a microbatch that share only the batch-wide common prefix with the
   rest of it (for the SWE-like steps, one task's trajectories; a microbatch holding one task
-  is one unit; without any sharing, one trajectory). A change of units costs no work, so it
+  is one unit; without any sharing, one trajectory). While every unit move (from a microbatch
+  of several units to any other) and every swap of two units fit in
+  :data:`EXHAUSTIVE_UNIT_CHANGES` and a quarter of the budget, a round takes them all. With
+  more units (no sharing, one very wide tree) it narrows them: a change of units costs no work, so it
   alters J2 only where a slot maximum falls: units leave the *critical* microbatches (each
   slot's heaviest and those tied with it). A unit of size s in critical u moves to the
   ``reach`` heaviest microbatches of work at most w(u) - s, and to the ``reach`` whose room
@@ -61,6 +64,10 @@ from harts.planner.ranks import RankSpace
 from harts.planner.schedule import assign_slots, objective_of, slot_critical_after
 
 logger = logging.getLogger(__name__)
+
+#: a round takes every unit move and swap when there are at most this many (a few hundred units, e.g. whole
+#: task trees); more units get the bounded neighbourhoods. A constant, so a round stays linear in the batch
+EXHAUSTIVE_UNIT_CHANGES = 1 << 16
 
 
 def _first_ranks(labels: np.ndarray, count: int) -> np.ndarray:
@@ -151,7 +158,7 @@ def _pool(space: RankSpace, capacity: int, labels: np.ndarray, works: np.ndarray
           dp_size: int, reach: int, saving_work: bool, allowance: int):
     """This round's changes. Every part is bounded by (units or subtrees) x ``reach`` or ``window``, so a round costs
     time linear in the batch, never the square of it; when every unit move and swap fits in ``allowance`` entries
-    (few units: whole trees), all of them are taken instead. ``saving_work``: also the subtree changes that only
+    (a few hundred units: whole trees), all of them are taken instead. ``saving_work``: also the subtree changes that only
     a work-saving swap partner makes worth it, wherever they are (the free rounds, where J1 may fall)."""
     n, count = space.size, works.size
     floor = int(space.lcp[1:].min()) if n > 1 else 0
@@ -277,7 +284,7 @@ def balance_slots(space: RankSpace, capacity: int, labels: np.ndarray, dp_size: 
             break
         layout = Layout(space, labels, count)
         found = _pool(space, capacity, labels, works, layout, max(window, exchange_window) if exchange else window, dp_size, reach,
-                      saving_work=round_index < free_rounds, allowance=min(budget.limit // 4, 1 << 20))
+                      saving_work=round_index < free_rounds, allowance=min(budget.limit // 4, EXHAUSTIVE_UNIT_CHANGES))
         # a round costs its tables, its pool and at most ``count`` re-checks of pool entries
         budget.charge_round(n + (0 if found is None else found[0].size) + count)
         if found is None:
