@@ -242,16 +242,20 @@ def plan(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
     started = clock()
     piece_choices = []
     if options.greedy and options.extended:
-        columns = max(1, -(-lower_bound // capacity))  # a greedy opens at least this many microbatches
-        piece_choices.append(greedy.preselect(greedy.piece_plans(space, capacity, dp_size, natural)))
-        budgets["pieces"].charge_round(2 * len(natural) * columns)
+        # each policy evaluates every piece against at least this many open microbatches; a placement that
+        # would overrun the budget is not started
+        columns = max(1, -(-lower_bound // capacity))
+        pieces = budgets["pieces"]
+        if 2 * len(natural) * columns <= pieces.limit:
+            piece_choices.append(greedy.preselect(greedy.piece_plans(space, capacity, dp_size, natural)))
+            pieces.charge_round(2 * len(natural) * columns)
         units = contiguous.unit_partition(space, capacity)
         # units refine the natural partition: equal counts give equal partitions; single-trajectory units repeat
-        # the trajectory greedy; a placement that would overrun the budget is not started
+        # the trajectory greedy
         cost = 2 * len(units) * columns
-        if len(natural) < len(units) < n and budgets["pieces"].used + cost <= budgets["pieces"].limit:
+        if len(natural) < len(units) < n and pieces.used + cost <= pieces.limit:
             piece_choices.append(greedy.preselect(greedy.piece_plans(space, capacity, dp_size, units, "units")))
-            budgets["pieces"].charge_round(cost)
+            pieces.charge_round(cost)
     seconds["pieces"] = clock() - started
 
     generated: list[tuple[str, np.ndarray]] = list(base)
