@@ -12,8 +12,18 @@ Planning times exclude batch generation and prefix-compress (reported separately
     python benchmarks/bench_planner.py --steps 3 --scale 0.3 --dp 2 4
     python benchmarks/bench_planner.py --update-results benchmarks/RESULTS.md --notes NOTES.md
     python benchmarks/bench_planner.py --from-json run.json   # re-render an earlier --json run
+    python benchmarks/bench_planner.py --shapes              # planning time and work per batch shape (below)
 
 Table 2 is reported for ``--table2-dp`` (default 4); Table 3 for every D in ``--dp``.
+
+``--shapes`` times the planner on the batch shapes whose planning must stay bounded (issue 15):
+no sharing at all (1,500 and 3,000 unrelated trajectories), one very wide tree (2,000 leaves on a
+2,000-token prompt), GRPO groups (256 x 16) and deep agentic trees (an SWE-like step of about
+4,300 paths), at ``--shape-dp`` (default 8) and T = ``--capacity``. Per shape it reports the
+planner's wall and CPU time (the two planning passes, median of ``--repeats``), the time and
+work units (:mod:`harts.planner.budget`) of every stage beyond the paper against its budget, the
+whole ``harts.compile`` time, and J of the full planner against the paper's stages alone (its
+candidate set without slot balancing or subtree exchange).
 """
 
 from __future__ import annotations
@@ -43,9 +53,19 @@ from harts.passes.prefix_compress import PrefixCompress  # noqa: E402
 from harts.passes.schedule_slots import ScheduleSlots  # noqa: E402
 from harts.ir.prefix_index import PrefixIndex  # noqa: E402
 from harts.planner import PlannerOptions, objective, plan, slot_imbalances, step_imbalance  # noqa: E402
-from harts.workloads import SWE_LIKE_PROFILES, swe_like_step  # noqa: E402
+from harts.workloads import SWE_LIKE_PROFILES, grpo_step, no_sharing_step, swe_like_step, wide_tree_step  # noqa: E402
 
 SECTION = "## Microbatch planning (Tables 2-3)"
+SHAPES_SECTION = "## Planning time and work per batch shape"
+#: name -> (description, generator); the shapes of issue 15
+SHAPES = {
+    "no-sharing-1500": ("1,500 trajectories, no shared prefix", lambda: no_sharing_step(trajectories=1500)),
+    "no-sharing-3000": ("3,000 trajectories, no shared prefix", lambda: no_sharing_step(trajectories=3000)),
+    "wide-tree": ("one tree: 2,000 leaves on a 2,000-token prompt", lambda: wide_tree_step(leaves=2000, prompt_tokens=2000)),
+    "grpo": ("GRPO: 256 groups of 16", lambda: grpo_step(groups=256, group_size=16)),
+    "agentic": ("SWE-like deep trees: large-trees, scale 0.5, 272 tasks",
+                lambda: swe_like_step(seed=1, scale=0.5, tasks=272, profile="large-trees")),
+}
 _RUN_ARGS = ("profile", "steps", "scale", "dp", "table2_dp", "capacity", "time_limit", "workers", "repeats")
 #: runs recorded before profiles existed used the generator's only shape, now ``large-trees``
 _PROFILE_BEFORE_PROFILES = "large-trees"
@@ -78,6 +98,14 @@ def plan_paper_only(module):
     """The paper's candidate set alone (no re-cut merges, no piece greedy), for comparison."""
     started = time.perf_counter()
     result = plan(PrefixIndex.from_module(module), PlannerOptions(capacity=module.capacity, dp_size=module.dp_size, extended=False))
+    return result, time.perf_counter() - started
+
+
+def plan_paper_stages(module):
+    """The paper's stages alone: its candidate set, no slot balancing or subtree exchange."""
+    started = time.perf_counter()
+    result = plan(PrefixIndex.from_module(module),
+                  PlannerOptions(capacity=module.capacity, dp_size=module.dp_size, extended=False, balance=False))
     return result, time.perf_counter() - started
 
 
@@ -147,6 +175,67 @@ def run(args) -> dict:
                         h["seconds"], o["compact"], o["seconds"], ",".join(o["status"]), o["compact"] / h["compact"])
         rows.append(step)
     return {"args": {k: v for k, v in vars(args).items() if k in _RUN_ARGS}, "steps": rows, "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"}
+
+
+def run_shapes(args, shapes: dict = SHAPES) -> dict:
+    """Planning time and work per batch shape (``shapes``: name -> (description, generator)); see the module docstring."""
+    import harts
+    from harts.planner.search import EXTENSION_STAGES
+
+    rows = []
+    for name in args.shape_names:
+        description, make = shapes[name]
+        batch = make()
+        base = lower(batch, capacity=args.capacity, dp_size=args.shape_dp)
+        compressed = PrefixCompress().run(base, PassContext(batch=batch))
+        scheduled, wall, cpu = plan_harts(compressed, args.repeats)
+        verify_scheduled(scheduled)
+        index = PrefixIndex.from_module(compressed)
+        full = plan(index, PlannerOptions(capacity=args.capacity, dp_size=args.shape_dp))
+        paper, paper_seconds = plan_paper_stages(compressed)
+        started = time.perf_counter()
+        harts.compile(batch, capacity=args.capacity, dp_size=args.shape_dp)
+        compile_seconds = time.perf_counter() - started
+        rows.append({
+            "shape": name, "description": description, "paths": len(batch), "raw_tokens": int(batch.semantic_tokens),
+            "lower_bound": compressed.trie.compact_tokens, "seconds": wall, "cpu_seconds": cpu, "compile_seconds": compile_seconds,
+            "objective": list(objective(scheduled.microbatches)), "microbatches": len(scheduled.microbatches),
+            "stage_seconds": dict(full.seconds), "work": dict(full.work), "work_limits": dict(full.work_limits),
+            "extension_seconds": sum(full.seconds.get(stage, 0.0) for stage in EXTENSION_STAGES if stage != "recut"),
+            "paper_objective": list(paper.objective), "paper_seconds": paper_seconds, "source": full.source,
+        })
+        logger.info("%s: %d paths, plan %.3f s (CPU %.3f s), J %s (paper %s), work %s", name, len(batch), wall, cpu,
+                    rows[-1]["objective"], rows[-1]["paper_objective"], full.work)
+    return {"args": {"capacity": args.capacity, "shape_dp": args.shape_dp, "repeats": args.repeats, "shapes": list(args.shape_names)},
+            "shapes": rows, "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"}
+
+
+def render_shapes(result: dict) -> str:
+    args = result["args"]
+    command = ("python benchmarks/bench_planner.py --shapes " + " ".join(args["shapes"])
+               + f" --shape-dp {args['shape_dp']} --capacity {args['capacity']} --repeats {args['repeats']}")
+    lines = [SHAPES_SECTION, ""]
+    lines.append(f"Command: `{command}` on {result['machine']} (wall clock; the machine may be shared with other jobs, "
+                 "so the CPU column is the steadier figure).")
+    lines.append("")
+    lines.append(f"T = {args['capacity']:,}, D = {args['shape_dp']}. Plan: the `partition-microbatches` + `schedule-slots` passes "
+                 "(median of the repeats). Work: units used / budget of each stage beyond the paper "
+                 "(`harts.planner.budget`: candidate changes or placements evaluated, trajectories visited per round).")
+    lines.append("")
+    lines.append("| Shape | Paths | Raw tokens | G | Plan (s) | Plan CPU (s) | beyond-paper stages (s) | Work recut / pieces / exchange / balance "
+                 "(budget each) | harts.compile (s) | J1 HARTS (paper's stages) | J2 HARTS (paper's stages) | paper's stages plan (s) |")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+    for row in result["shapes"]:
+        work = " / ".join(_fmt(row["work"][stage]) for stage in ("recut", "pieces", "exchange", "balance"))
+        budget = _fmt(next(iter(row["work_limits"].values())))
+        j, p = row["objective"], row["paper_objective"]
+        lines.append(
+            f"| {row['description']} | {_fmt(row['paths'])} | {_fmt(row['raw_tokens'])} | {_fmt(row['lower_bound'])} | "
+            f"{row['seconds']:.3f} | {row['cpu_seconds']:.3f} | {row['extension_seconds']:.3f} | {work} ({budget}) | "
+            f"{row['compile_seconds']:.2f} | {_fmt(j[0])} ({_fmt(p[0])}) | {_fmt(j[1])} ({_fmt(p[1])}) | {row['paper_seconds']:.3f} |"
+        )
+    lines.append("")
+    return "\n".join(lines)
 
 
 def _check_baseline(baseline, count: int, capacity: int, dp_size: int) -> None:
@@ -263,24 +352,30 @@ def main() -> None:
     parser.add_argument("--update-results", type=Path, help="replace this section of a RESULTS.md file")
     parser.add_argument("--notes", type=Path, help="markdown appended after the tables in --update-results")
     parser.add_argument("--from-json", type=Path, help="render the tables of an earlier --json run instead of running")
+    parser.add_argument("--shapes", dest="shape_names", nargs="*", choices=sorted(SHAPES), default=None,
+                        help="time the planner per batch shape instead (no names: every shape)")
+    parser.add_argument("--shape-dp", type=int, default=8, help="the DP degree of --shapes")
     args = parser.parse_args()
-    if args.table2_dp not in args.dp:
-        args.dp = [*args.dp, args.table2_dp]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.from_json:
-        result = json.loads(args.from_json.read_text())
-        for step in result["steps"]:
-            step["per_dp"] = {int(dp): entry for dp, entry in step["per_dp"].items()}
-        args.json = None
+    if args.shape_names is not None:
+        args.shape_names = args.shape_names or list(SHAPES)
+        result = json.loads(args.from_json.read_text()) if args.from_json else run_shapes(args)
+        text = render_shapes(result)
     else:
-        result = run(args)
-    text = render(result)
+        if args.table2_dp not in args.dp:
+            args.dp = [*args.dp, args.table2_dp]
+        if args.from_json:
+            result = json.loads(args.from_json.read_text())
+            for step in result["steps"]:
+                step["per_dp"] = {int(dp): entry for dp, entry in step["per_dp"].items()}
+        else:
+            result = run(args)
+        text = render(result)
     print(text)
-    if args.json:
+    if args.json and not args.from_json:
         args.json.write_text(json.dumps(result, indent=1, default=str))
     if args.update_results:
         update_results(args.update_results, text, args.notes.read_text() if args.notes else "")
-
 
 if __name__ == "__main__":
     main()

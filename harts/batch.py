@@ -24,6 +24,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import numbers
+import sys
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,9 +35,96 @@ import numpy as np
 from harts.errors import RolloutInputError
 
 MAX_TOKEN_ID = 2**32 - 1
+_INT64 = np.iinfo(np.int64)
 
 #: Field names a user may omit; ``loss_mask`` defaults to all ones.
 DEFAULT_TOKEN_FIELDS = ("loss_mask",)
+#: Fields that only make sense per token: one scalar per trajectory is refused, never broadcast.
+PER_TOKEN_FIELDS = ("loss_mask",)
+#: Mask fields: every value finite and in [0, 1] (floats anywhere in the range; integers 0 or 1; booleans).
+MASK_FIELDS = ("loss_mask",)
+#: Fields a loss multiplies by: every value must be finite (a NaN would make the whole loss NaN).
+FINITE_FIELDS = ("loss_mask", "advantages", "advantage", "reward")
+#: NumPy kinds a per-token field may have (what node tables store and read back).
+TOKEN_FIELD_KINDS = "biuf"
+#: NumPy kinds a per-trajectory field may have.
+TRAJECTORY_FIELD_KINDS = "biufU"
+_KIND_NAMES = {"b": "booleans", "i": "integers", "u": "integers", "f": "floats", "U": "strings"}
+
+
+def _tensor_as_array(value: Any) -> np.ndarray | None:
+    """A torch tensor as a NumPy array (detached, on the CPU), or None when ``value`` is no tensor.
+
+    Checked through ``sys.modules`` so that plain NumPy use never imports torch. Floating types
+    NumPy lacks (bfloat16, float8) widen exactly to float32.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(value, torch.Tensor):
+        return None
+    tensor = value.detach().cpu()
+    if tensor.is_floating_point() and tensor.dtype not in (torch.float16, torch.float32, torch.float64):
+        tensor = tensor.to(torch.float32)
+    return tensor.numpy()
+
+
+def as_array(value: Any, where: str) -> np.ndarray:
+    """``value`` (a list, tuple, NumPy array, torch tensor or scalar) as a NumPy array, or a clear error.
+
+    Nested lists of different lengths (ragged input) and objects that are not numbers or
+    strings are refused, naming ``where``.
+    """
+    tensor = _tensor_as_array(value)
+    if tensor is not None:
+        return tensor
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, (list, tuple)):
+        converted = [_tensor_as_array(entry) for entry in value]
+        if any(entry is not None for entry in converted):
+            value = [entry if entry is not None else original for entry, original in zip(converted, value)]
+        try:
+            array = np.asarray(value)
+        except (ValueError, TypeError, OverflowError):
+            array = None
+        if array is None or (array.dtype == object and any(isinstance(entry, (list, tuple, np.ndarray)) for entry in value)):
+            raise RolloutInputError(f"{where} is ragged: its entries are lists of different lengths or mix lists and scalars")
+        return array
+    if isinstance(value, (numbers.Number, np.generic, str)) or value is None:
+        return np.asarray(value)
+    raise RolloutInputError(f"{where} must be a list, a NumPy array or a torch tensor, got {type(value).__name__}")
+
+
+def _first_bad(entries: list, test) -> int:
+    return next((i for i, v in enumerate(entries) if test(v)), 0)
+
+
+def integer_array(values: Any, where: str, minimum: int, maximum: int, what: str = "an integer", *,
+                  below: str | None = None, above: str | None = None, items: str = "") -> np.ndarray:
+    """``values`` as a flat int64 array whose entries lie in ``[minimum, maximum]``, or an error naming ``where``
+    and the entry (``below`` / ``above``: how to say that an entry is out of range; ``items``: what the list holds)."""
+    below = below or f"below the smallest allowed {minimum}"
+    above = above or f"above the largest allowed {maximum}"
+    array = as_array(values, where)
+    if array.ndim != 1:
+        raise RolloutInputError(f"{where} must be a flat list{items}, got shape {array.shape}")
+    if array.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if array.dtype.kind not in "iu":
+        # the caller's own entries: NumPy would show an int beside a float as a float
+        entries = list(values) if isinstance(values, (list, tuple)) and len(values) == array.size else array.tolist()
+        bad = _first_bad(entries, lambda v: isinstance(v, bool) or not isinstance(v, numbers.Integral))
+        value = entries[bad]
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):  # integers too large for NumPy
+            bad = _first_bad(entries, lambda v: not minimum <= v <= maximum)
+            raise RolloutInputError(f"{where} entry {bad} is {entries[bad]}, {below if entries[bad] < minimum else above}")
+        raise RolloutInputError(f"{where} entry {bad} is {value!r}, not {what}")
+    if array.min() < minimum:
+        bad = int(np.flatnonzero(array < minimum)[0])
+        raise RolloutInputError(f"{where} entry {bad} is {int(array[bad])}, {below}")
+    if array.max() > maximum:
+        bad = int(np.flatnonzero(array > maximum)[0])
+        raise RolloutInputError(f"{where} entry {bad} is {int(array[bad])}, {above}")
+    return array.astype(np.int64, copy=False)
 
 #: Prefix of the per-token fields holding replayed expert ids (see the module docstring).
 ROUTED_EXPERTS = "routed_experts"
@@ -55,10 +144,7 @@ def _routed_experts_key(name: str) -> tuple[int, int] | None:
 
 def _routed_experts_fields(values: Any, count: int) -> dict[str, tuple[np.ndarray, ...]]:
     """Split one ``[len, layers, top_k]`` integer array per trajectory into per-token fields."""
-    if not _is_per_token(values) or len(values) != count:
-        got = len(values) if _is_per_token(values) else "a scalar"
-        raise RolloutInputError(f"field '{ROUTED_EXPERTS}': expected one entry per trajectory ({count}), got {got}")
-    arrays = [np.asarray(entry) for entry in values]
+    arrays = _per_trajectory_entries(values, ROUTED_EXPERTS, count)
     shape = None
     for index, array in enumerate(arrays):
         if array.ndim != 3 or array.dtype.kind not in "iu":
@@ -86,24 +172,8 @@ def token_id_array(values: Any, where: str) -> np.ndarray:
 
     ``where`` names the place, e.g. ``"trajectory 3: field 'tokens'"``.
     """
-    array = np.asarray(values)
-    if array.ndim != 1:
-        raise RolloutInputError(f"{where} must be a flat list of token ids, got shape {array.shape}")
-    if array.size == 0:
-        return np.empty(0, dtype=np.int64)
-    if array.dtype.kind not in "iu":
-        entries = list(values) if isinstance(values, (list, tuple)) else array.tolist()
-        bad = next(
-            (i for i, v in enumerate(entries) if isinstance(v, bool) or not isinstance(v, numbers.Integral)), 0
-        )
-        raise RolloutInputError(f"{where} entry {bad} is {entries[bad]!r}, not an integer token id")
-    if array.min() < 0:
-        bad = int(np.flatnonzero(array < 0)[0])
-        raise RolloutInputError(f"{where} entry {bad} is {int(array[bad])}, token ids must be >= 0")
-    if array.max() > MAX_TOKEN_ID:
-        bad = int(np.flatnonzero(array > MAX_TOKEN_ID)[0])
-        raise RolloutInputError(f"{where} entry {bad} is {int(array[bad])}, above the largest id {MAX_TOKEN_ID}")
-    return array.astype(np.int64, copy=False)
+    return integer_array(values, where, 0, MAX_TOKEN_ID, "an integer token id", below="token ids must be >= 0",
+                         above=f"above the largest id {MAX_TOKEN_ID}", items=" of token ids")
 
 
 def _as_token_array(values: Any, trajectory: int) -> np.ndarray:
@@ -113,8 +183,96 @@ def _as_token_array(values: Any, trajectory: int) -> np.ndarray:
     return array
 
 
-def _is_per_token(value: Any) -> bool:
-    return isinstance(value, (Sequence, np.ndarray)) and not isinstance(value, (str, bytes))
+#: the arrays handed to batches through :func:`adopt`, by id (entries vanish with their arrays)
+_ADOPTED: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+
+
+def adopt(array: np.ndarray) -> np.ndarray:
+    """Mark a freshly built array as a batch's own (read-only, not copied).
+
+    Only for arrays nobody else holds: readers and generators use it to hand over what they
+    built without a second copy (a view is copied, since its base may be written through).
+    Anything else a batch receives is copied.
+    """
+    if array.base is not None:
+        array = np.array(array, copy=True)
+    array.flags.writeable = False
+    _ADOPTED[id(array)] = array
+    return array
+
+
+def _is_immutable(array: np.ndarray) -> bool:
+    """True for an adopted array or a view of one: read-only, and no caller holds a writable alias.
+
+    A read-only flag alone is not enough: the caller may own the array and switch it back.
+    """
+    while array.base is not None:
+        if not isinstance(array.base, np.ndarray):
+            return False  # a buffer someone else owns (bytes, mmap, a torch tensor)
+        array = array.base
+    return _ADOPTED.get(id(array)) is array and not array.flags.writeable
+
+
+def _owned(array: np.ndarray) -> np.ndarray:
+    """A read-only array in native byte order that no caller can change: ``array`` itself when it is one, else a copy."""
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    elif _is_immutable(array):
+        return array
+    else:
+        array = np.array(array, copy=True)
+    return adopt(array)
+
+
+def _per_trajectory_entries(value: Any, name: str, count: int | None) -> list[np.ndarray]:
+    """A field (or the token lists) split into one NumPy array per trajectory."""
+    where = f"field '{name}'"
+    tensor = _tensor_as_array(value)
+    if tensor is not None:
+        value = tensor
+    if isinstance(value, np.ndarray):
+        if value.ndim == 0:
+            raise RolloutInputError(f"{where}: expected one entry per trajectory, got a single value {value.item()!r}")
+        entries = list(value) if value.dtype != object else list(value.tolist())
+    elif isinstance(value, (list, tuple)):
+        entries = list(value)
+    else:
+        expected = "a list with one entry per trajectory" + (f" ({count})" if count is not None else "")
+        raise RolloutInputError(f"{where}: expected {expected}, got {type(value).__name__}")
+    if count is not None and len(entries) != count:
+        raise RolloutInputError(f"{where}: expected one entry per trajectory ({count}), got {len(entries)}")
+    return [as_array(entry, f"trajectory {index}: {where}") for index, entry in enumerate(entries)]
+
+
+def _scalar_array(entries: list[np.ndarray], name: str) -> np.ndarray:
+    """One value per trajectory from 0-d arrays; kinds may not mix (strings with numbers, booleans with numbers)."""
+    groups = {"b" if e.dtype.kind == "b" else "n" if e.dtype.kind in "iuf" else e.dtype.kind for e in entries}
+    bad = [e.dtype.kind for e in entries if e.dtype.kind not in TRAJECTORY_FIELD_KINDS]
+    if bad:
+        index = next(i for i, e in enumerate(entries) if e.dtype.kind not in TRAJECTORY_FIELD_KINDS)
+        raise RolloutInputError(
+            f"trajectory {index}: field '{name}' is {entries[index].item()!r}; per-trajectory values must be numbers, booleans or strings"
+        )
+    if len(groups) > 1:
+        kinds = sorted({_KIND_NAMES[e.dtype.kind] for e in entries})
+        raise RolloutInputError(f"field '{name}': per-trajectory values mix {' and '.join(kinds)}; give values of one kind")
+    return np.stack(entries)
+
+
+def check_field_values(name: str, values: np.ndarray, where: str) -> None:
+    """Masks (:data:`MASK_FIELDS`) finite and in [0, 1]; loss factors (:data:`FINITE_FIELDS`) finite."""
+    if values.dtype.kind == "b" or values.size == 0:
+        return
+    if name in FINITE_FIELDS and values.dtype.kind == "f":
+        finite = np.isfinite(values)
+        if not finite.all():
+            bad = int(np.flatnonzero(~finite)[0])
+            raise RolloutInputError(f"{where}: field '{name}' entry {bad} is {values[bad]}; its values must be finite")
+    if name in MASK_FIELDS:
+        outside = (values < 0) | (values > 1)
+        if outside.any():
+            bad = int(np.flatnonzero(outside)[0])
+            raise RolloutInputError(f"{where}: field '{name}' entry {bad} is {values[bad]}; mask values must lie in [0, 1]")
 
 
 @attrs.frozen(eq=False, slots=False)
@@ -125,12 +283,36 @@ class RolloutBatch:
     ``len(tokens[i])`` entries; ``trajectory_fields[name]`` has one entry per trajectory.
     ``tree_ids[i]`` is the rollout tree of trajectory ``i`` (from the node table, or
     recovered by token-prefix matching: trajectories sharing a first token are one tree).
+
+    The batch owns its data: every array is a read-only copy (arrays handed over with
+    :func:`adopt` excepted), so changing what it was built from changes neither the batch,
+    nor its content hash, nor a plan compiled for it. Construction checks every field
+    (:meth:`validate`) and adds ``loss_mask`` (all ones) when it is not given.
     """
 
     tokens: tuple[np.ndarray, ...]
     token_fields: Mapping[str, tuple[np.ndarray, ...]] = attrs.field(factory=dict)
     trajectory_fields: Mapping[str, np.ndarray] = attrs.field(factory=dict)
     tree_ids: np.ndarray | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.tokens, (tuple, list)):
+            raise RolloutInputError("field 'tokens': expected a tuple of token arrays, one per trajectory")
+        tokens = tuple(_owned(token_id_array(t, f"trajectory {i}: field 'tokens'")) for i, t in enumerate(self.tokens))
+        token_fields = {}
+        for name, per_trajectory in dict(self.token_fields).items():
+            token_fields[name] = tuple(_owned(as_array(v, f"trajectory {i}: field '{name}'")) for i, v in enumerate(per_trajectory))
+        if "loss_mask" not in token_fields:
+            token_fields["loss_mask"] = tuple(adopt(np.ones(len(t), dtype=np.float32)) for t in tokens)
+        trajectory_fields = {name: _owned(as_array(v, f"field '{name}'")) for name, v in dict(self.trajectory_fields).items()}
+        tree_ids = None
+        if self.tree_ids is not None:
+            tree_ids = _owned(integer_array(self.tree_ids, "field 'tree_ids'", int(_INT64.min), int(_INT64.max), "an integer tree id"))
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "token_fields", token_fields)
+        object.__setattr__(self, "trajectory_fields", trajectory_fields)
+        object.__setattr__(self, "tree_ids", tree_ids)
+        self.validate()
 
     @classmethod
     def from_trajectories(
@@ -142,16 +324,25 @@ class RolloutBatch:
     ) -> "RolloutBatch":
         """Build a batch from token lists; each keyword is a per-token or per-trajectory field.
 
+        Every argument may be a list, a tuple, a NumPy array or a torch tensor (entries too).
         A field whose entries are sequences is per-token and must match each trajectory's
-        length; a field whose entries are scalars is per-trajectory. ``routed_experts`` is
-        one integer array ``[len, layers, top_k]`` per trajectory (router replay; see the
-        module docstring).
+        length; a field whose entries are scalars is per-trajectory. ``loss_mask`` is per-token
+        only (finite values in [0, 1]; integers 0/1 and booleans too) and defaults to ones.
+        ``routed_experts`` is one integer array ``[len, layers, top_k]`` per trajectory (router
+        replay; see the module docstring). Everything is copied: later changes to the arguments
+        do not reach the batch.
         """
-        if isinstance(token_lists, (str, bytes)) or not isinstance(token_lists, (Sequence, np.ndarray)):
+        if isinstance(token_lists, (str, bytes)):
             raise RolloutInputError("field 'tokens': expected a list of token lists, one per trajectory")
-        if len(token_lists) == 0:
+        entries = _per_trajectory_entries(token_lists, "tokens", None)
+        if len(entries) == 0:
             raise RolloutInputError("field 'tokens': the batch holds no trajectories")
-        tokens = tuple(_as_token_array(values, index) for index, values in enumerate(token_lists))
+        if entries[0].ndim == 0:
+            raise RolloutInputError(
+                "field 'tokens': expected a list of token lists, one per trajectory, got a flat list of "
+                f"{'token ids' if entries[0].dtype.kind in 'iu' else 'values'} (for one trajectory, wrap it: [tokens])"
+            )
+        tokens = tuple(adopt(np.array(_as_token_array(values, index), dtype=np.int64)) for index, values in enumerate(entries))
         if routed_experts is not None:
             clash = sorted(name for name in fields if name.startswith(ROUTED_EXPERTS + "."))
             if clash:
@@ -162,20 +353,27 @@ class RolloutBatch:
         for name, value in fields.items():
             if value is None:
                 continue
-            if not _is_per_token(value) or len(value) != len(tokens):
-                count = len(value) if _is_per_token(value) else "a scalar"
-                raise RolloutInputError(f"field '{name}': expected one entry per trajectory ({len(tokens)}), got {count}")
-            if all(_is_per_token(entry) for entry in value):
-                token_fields[name] = tuple(np.asarray(entry) for entry in value)
-            elif not any(_is_per_token(entry) for entry in value):
-                trajectory_fields[name] = np.asarray(value)
+            per_trajectory = _per_trajectory_entries(value, name, len(tokens))
+            dims = [entry.ndim for entry in per_trajectory]
+            deep = next((i for i, d in enumerate(dims) if d > 1), None)
+            if deep is not None:
+                raise RolloutInputError(
+                    f"trajectory {deep}: field '{name}' has shape {per_trajectory[deep].shape}; give a flat list (one value per token) or a scalar"
+                )
+            if all(d == 1 for d in dims):
+                token_fields[name] = tuple(adopt(np.array(entry)) for entry in per_trajectory)
+            elif all(d == 0 for d in dims):
+                if name in PER_TOKEN_FIELDS:
+                    raise RolloutInputError(
+                        f"field '{name}' is per-token: give one list with a value per token of each trajectory, not one "
+                        f"scalar per trajectory (to mask a whole trajectory, repeat its value: [m] * len(tokens))"
+                    )
+                trajectory_fields[name] = adopt(_scalar_array(per_trajectory, name))
             else:
-                bad = next(i for i, entry in enumerate(value) if not _is_per_token(entry))
+                bad = next(i for i, d in enumerate(dims) if d != dims[0])
                 raise RolloutInputError(
                     f"trajectory {bad}: field '{name}' mixes per-token lists and scalars; give one list per trajectory or one scalar each"
                 )
-        if "loss_mask" not in token_fields:
-            token_fields["loss_mask"] = tuple(np.ones(len(t), dtype=np.float32) for t in tokens)
         if tree_ids is None:
             # Trees are the components of the token trie: trajectories with one first token.
             tree_of_first_token: dict[int, int] = {}
@@ -183,15 +381,19 @@ class RolloutBatch:
                 [tree_of_first_token.setdefault(int(t[0]), len(tree_of_first_token)) for t in tokens], dtype=np.int64
             )
         else:
-            tree_ids_array = np.asarray(tree_ids, dtype=np.int64)
-            if tree_ids_array.shape != (len(tokens),):
-                raise RolloutInputError(f"field 'tree_ids': expected one entry per trajectory ({len(tokens)}), got shape {tree_ids_array.shape}")
-        batch = cls(tokens=tokens, token_fields=token_fields, trajectory_fields=trajectory_fields, tree_ids=tree_ids_array)
-        batch.validate()
-        return batch
+            entries = _per_trajectory_entries(tree_ids, "tree_ids", len(tokens))
+            if any(entry.ndim != 0 for entry in entries):
+                bad = next(i for i, entry in enumerate(entries) if entry.ndim != 0)
+                raise RolloutInputError(f"trajectory {bad}: field 'tree_ids' must be one integer per trajectory")
+            tree_ids_array = integer_array([entry.item() for entry in entries], "field 'tree_ids'", int(_INT64.min), int(_INT64.max),
+                                           "an integer tree id")
+        return cls(tokens=tokens, token_fields=token_fields, trajectory_fields=trajectory_fields, tree_ids=adopt(tree_ids_array))
 
     def validate(self) -> None:
-        """Check lengths and types of every field; raise :class:`RolloutInputError` naming the culprit."""
+        """Check lengths, kinds and values of every field; raise :class:`RolloutInputError` naming the culprit."""
+        for index, tokens in enumerate(self.tokens):
+            if tokens.ndim != 1 or tokens.size == 0:
+                raise RolloutInputError(f"trajectory {index}: field 'tokens' is empty; a trajectory needs at least one token")
         for name, per_trajectory in self.token_fields.items():
             if len(per_trajectory) != len(self.tokens):
                 raise RolloutInputError(f"field '{name}': expected one entry per trajectory ({len(self.tokens)}), got {len(per_trajectory)}")
@@ -200,11 +402,26 @@ class RolloutBatch:
                     raise RolloutInputError(
                         f"trajectory {index}: field '{name}' has {values.size} entries, expected {len(tokens)} (one per token)"
                     )
-                if values.dtype == object:
-                    raise RolloutInputError(f"trajectory {index}: field '{name}' holds non-numeric values")
+                if values.dtype.kind not in TOKEN_FIELD_KINDS:
+                    raise RolloutInputError(
+                        f"trajectory {index}: field '{name}' holds non-numeric values (dtype {values.dtype}); per-token values must be numbers or booleans"
+                    )
+                check_field_values(name, values, f"trajectory {index}")
         for name, values in self.trajectory_fields.items():
-            if values.shape[:1] != (len(self.tokens),):
+            if values.shape != (len(self.tokens),):
                 raise RolloutInputError(f"field '{name}': expected one entry per trajectory ({len(self.tokens)}), got shape {values.shape}")
+            if values.dtype.kind not in TRAJECTORY_FIELD_KINDS:
+                raise RolloutInputError(
+                    f"field '{name}': per-trajectory values must be numbers, booleans or strings, got dtype {values.dtype}"
+                )
+            if name in FINITE_FIELDS:
+                if values.dtype.kind not in "biuf":
+                    raise RolloutInputError(f"field '{name}': values must be numbers, got dtype {values.dtype}")
+                if values.dtype.kind == "f" and not np.isfinite(values).all():
+                    bad = int(np.flatnonzero(~np.isfinite(values))[0])
+                    raise RolloutInputError(f"trajectory {bad}: field '{name}' is {values[bad]}; its values must be finite")
+        if self.tree_ids is not None and self.tree_ids.shape != (len(self.tokens),):
+            raise RolloutInputError(f"field 'tree_ids': expected one entry per trajectory ({len(self.tokens)}), got shape {self.tree_ids.shape}")
 
     @classmethod
     def read(cls, path: Any) -> "RolloutBatch":
@@ -300,7 +517,7 @@ class RolloutBatch:
 
     def subset(self, indices: Sequence[int]) -> "RolloutBatch":
         """A batch of the given trajectories (in the given order), metadata kept."""
-        indices = list(indices)
+        indices = integer_array(indices, "subset: trajectory indices", 0, len(self.tokens) - 1, "a trajectory index").tolist()
         return RolloutBatch(
             tokens=tuple(self.tokens[i] for i in indices),
             token_fields={k: tuple(v[i] for i in indices) for k, v in self.token_fields.items()},

@@ -384,7 +384,7 @@ def logit_agreement(model, reference, other, batch, block_rows):
     """Mean token-wise cosine of full-vocabulary logits, mean |delta NLL| of the next token."""
     cosine_sum, nll_sum, count = 0.0, 0.0, 0
     for trajectory, ref_hidden in reference.items():
-        tokens = torch.as_tensor(batch.tokens[trajectory], device=ref_hidden.device)
+        tokens = torch.tensor(batch.tokens[trajectory], device=ref_hidden.device)  # a copy: batch token arrays are read-only
         other_hidden = other[trajectory]
         for start in range(0, ref_hidden.shape[0] - 1, block_rows):
             stop = min(ref_hidden.shape[0] - 1, start + block_rows)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Optional
@@ -11,6 +13,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.table import Table
 
 import harts
@@ -22,8 +25,17 @@ console = Console(stderr=True)
 logger = logging.getLogger("harts")
 
 
+#: exit status of a run that failed on its input or options (the message names the culprit)
+USER_ERROR_EXIT = 2
+#: exit status of a failure inside HARTS itself (a bug); --verbose shows the traceback
+INTERNAL_ERROR_EXIT = 3
+_verbose = False
+
+
 @app.callback()
-def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INFO level (pass timings, sizes).")) -> None:
+def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INFO level (pass timings, sizes); show tracebacks.")) -> None:
+    global _verbose
+    _verbose = verbose
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
         format="%(message)s",
@@ -31,9 +43,42 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INF
     )
 
 
-def _fail(error: Exception) -> None:
-    console.print(f"[bold red]error:[/bold red] {error}")
-    raise typer.Exit(code=2)
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _fail(error: Exception | str) -> None:
+    """Print ``error: <message>`` as one line on stderr and exit with :data:`USER_ERROR_EXIT`."""
+    console.print(f"[bold red]error:[/bold red] {escape(_one_line(error))}", soft_wrap=True)
+    raise typer.Exit(code=USER_ERROR_EXIT)
+
+
+def _reports_errors(command):
+    """Run a command so that every failure ends in one line on stderr and a non-zero exit, never a traceback:
+    HartsError (bad input or options) and OS errors (unwritable output, disk full) exit 2; anything else
+    is a bug in HARTS and exits 3 (``--verbose`` logs its traceback)."""
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (typer.Exit, typer.Abort, KeyboardInterrupt):
+            raise
+        except (HartsError, OSError) as error:
+            _fail(error)
+        except MemoryError:
+            _fail("out of memory: the input is too large for this machine (try a smaller batch or capacity)")
+        except Exception as error:  # noqa: BLE001 - last resort: report, do not dump a traceback on the user
+            if _verbose:
+                logger.exception("internal error")
+            console.print(
+                f"[bold red]internal error:[/bold red] {escape(_one_line(f'{type(error).__name__}: {error}'))} "
+                "(a bug in HARTS; rerun with --verbose for the traceback)",
+                soft_wrap=True,
+            )
+            raise typer.Exit(code=INTERNAL_ERROR_EXIT) from None
+
+    return run
 
 
 def _format(value) -> str:
@@ -50,6 +95,7 @@ def print_stats(stats: dict, title: str = "plan") -> None:
 
 
 @app.command("compile")
+@_reports_errors
 def compile_command(
     input: str = typer.Argument(..., help="Node table (.jsonl/.parquet) or preset: demo, swe-like, swe-like:seed=3,scale=0.1,profile=calibrated"),
     output: Path = typer.Option(..., "--output", "-o", help="Plan artifact to write (a directory, or a .safetensors file)."),
@@ -67,32 +113,32 @@ def compile_command(
     from harts.passes.manager import DumpIR, PrintIRAfter, TimePasses
     from harts.workloads import resolve_input
 
-    try:
-        instruments = []
-        if print_ir_after_all:
-            instruments.append(PrintIRAfter(None))
-        elif print_ir_after:
-            instruments.append(PrintIRAfter([p.strip() for p in print_ir_after.split(",") if p.strip()]))
-        if dump_ir is not None:
-            instruments.append(DumpIR(dump_ir))
-        timer = TimePasses() if time_passes else None
-        if timer is not None:
-            instruments.append(timer)
-        with console.status(f"reading {input}"):
-            batch = resolve_input(input)
-        plan = harts.compile(
-            batch, capacity=capacity, dp_size=dp, chunk_size=chunk_size, pipeline=pipeline,
-            verify=False if no_verify else None, instruments=instruments, progress=True,
-        )
-        plan.save(output)
-    except HartsError as error:
-        _fail(error)
+    if dump_ir is not None and dump_ir.exists() and not dump_ir.is_dir():
+        _fail(f"--dump-ir {dump_ir}: it exists and is not a directory; name a directory to dump the stages into")
+    instruments = []
+    if print_ir_after_all:
+        instruments.append(PrintIRAfter(None))
+    elif print_ir_after:
+        instruments.append(PrintIRAfter([p.strip() for p in print_ir_after.split(",") if p.strip()]))
+    if dump_ir is not None:
+        instruments.append(DumpIR(dump_ir))
+    timer = TimePasses() if time_passes else None
+    if timer is not None:
+        instruments.append(timer)
+    with console.status(f"reading {input}"):
+        batch = resolve_input(input)
+    plan = harts.compile(
+        batch, capacity=capacity, dp_size=dp, chunk_size=chunk_size, pipeline=pipeline,
+        verify=False if no_verify else None, instruments=instruments, progress=True,
+    )
+    plan.save(output)
     print_stats(plan.stats, title=f"plan written to {output}")
     if timer is not None:
         console.print(timer.report())
 
 
 @app.command("inspect")
+@_reports_errors
 def inspect_command(
     plan_path: Path = typer.Argument(..., help="Plan artifact written by `harts compile`."),
     as_json: bool = typer.Option(False, "--json", help="Print the full inspect document as JSON."),
@@ -101,18 +147,15 @@ def inspect_command(
     microbatch: Optional[int] = typer.Option(None, "--microbatch", help="Microbatch whose segment tree --plot draws (default: the one with the most rounds)."),
 ) -> None:
     """Show a plan: statistics, microbatches and rounds."""
-    try:
-        plan = harts.load_plan(plan_path)
-        if plot is not None:
-            from harts.viz import write_plots
+    plan = harts.load_plan(plan_path)
+    if plot is not None:
+        from harts.viz import write_plots
 
-            with console.status(f"plotting into {plot}"):
-                paths = write_plots(plan, plot, microbatch=microbatch)
-            for path in paths:
-                console.print(f"wrote {path}")
-            return
-    except HartsError as error:
-        _fail(error)
+        with console.status(f"plotting into {plot}"):
+            paths = write_plots(plan, plot, microbatch=microbatch)
+        for path in paths:
+            console.print(f"wrote {path}")
+        return
     if as_json:
         sys.stdout.write(json.dumps(plan.to_json(), indent=2, sort_keys=True) + "\n")
         return
@@ -147,6 +190,7 @@ def _is_node_table(path: Path) -> bool:
 
 
 @app.command("convert")
+@_reports_errors
 def convert_command(
     input: Path = typer.Argument(..., help="Saved framework batch: .pt (dict of tensors), .parquet or .jsonl (one row per trajectory)."),
     framework: str = typer.Option(..., "--from", help="The framework that wrote it: verl, trl or areal."),
@@ -156,16 +200,14 @@ def convert_command(
     """Convert an RL framework's saved batch into a HARTS node table (trees recovered by token prefixes)."""
     from harts.interop import read_framework_batch
 
+    if output.exists() and output.resolve() == input.resolve():
+        raise HartsError(f"{output}: the output is the input file; choose another path")
+    if output.exists() and not _is_node_table(output):
+        raise HartsError(f"{output} exists and is not a HARTS node table; it was left untouched: choose another path")
+    with console.status(f"reading {input}"):
+        batch = read_framework_batch(input, framework, ignore=tuple(ignore or ()))
     try:
-        if output.exists() and output.resolve() == input.resolve():
-            raise HartsError(f"{output}: the output is the input file; choose another path")
-        if output.exists() and not _is_node_table(output):
-            raise HartsError(f"{output} exists and is not a HARTS node table; it was left untouched: choose another path")
-        with console.status(f"reading {input}"):
-            batch = read_framework_batch(input, framework, ignore=tuple(ignore or ()))
         batch.write(output)
-    except HartsError as error:
-        _fail(error)
     except (OSError, ValueError) as error:
         _fail(HartsError(f"{output}: {error}"))
     fields = ", ".join(sorted(batch.token_fields)) or "-"
@@ -202,6 +244,7 @@ def _records_table(records: list[dict], title: str) -> Table:
 
 
 @app.command("train")
+@_reports_errors
 def train_command(
     input: Optional[str] = typer.Argument(None, help="Node table (.jsonl/.parquet) or preset, as for `harts compile` (or 'input' in --config)."),
     preset: Optional[str] = typer.Option(None, "--preset", help="Model preset (default tiny); see harts.runtime.PRESETS."),
@@ -234,11 +277,8 @@ def train_command(
         kl_coef=kl_coef, temperature=temperature, capacity=capacity, chunk_size=chunk_size, dp=dp, parallel=parallel,
         recompute=recompute, save=None if save is None else str(save),
     )
-    try:
-        options = load_options(flags, config)
-        run = run_training(options, console=console)
-    except HartsError as error:
-        _fail(error)
+    options = load_options(flags, config)
+    run = run_training(options, console=console)
     if run.rank != 0:
         return
     stats = run.plan_stats
@@ -247,6 +287,7 @@ def train_command(
 
 
 @app.command("run")
+@_reports_errors
 def run_command(
     input: str = typer.Argument("demo", help="Rollout batch: node table or preset (default: the bundled demo batch)."),
     preset: str = typer.Option("tiny", "--preset", help="Model preset."),
@@ -268,14 +309,15 @@ def run_command(
         import torch
 
         torch.set_num_threads(threads)
-    try:
-        with step_progress(True, console) as update:
-            figures = run_demo(input, preset=preset, chunk_size=chunk_size, capacity=capacity, steps=steps, epochs=epochs,
-                               recompute=recompute, seed=seed, plot=plot, on_progress=update)
-    except HartsError as error:
-        _fail(error)
+    with step_progress(True, console) as update:
+        figures = run_demo(input, preset=preset, chunk_size=chunk_size, capacity=capacity, steps=steps, epochs=epochs,
+                           recompute=recompute, seed=seed, plot=plot, on_progress=update)
+    broken = [name for name, value in figures.items() if isinstance(value, float) and not math.isfinite(value)]
+    if broken:
+        _fail(f"the step produced non-finite figures ({', '.join(f'{name} = {figures[name]}' for name in broken)}); "
+              "check the batch's advantages, rewards and masks")
     if as_json:
-        sys.stdout.write(json.dumps(figures, indent=2) + "\n")
+        sys.stdout.write(json.dumps(figures, indent=2, allow_nan=False) + "\n")
         return
     table = Table(title="per optimizer step, from the same weights (F/B/Grad in seconds)")
     for column in ("step", "epoch", "loss baseline", "loss HARTS", "rel diff", "F/B/G base", "F/B/G HARTS", "speedup"):
@@ -289,6 +331,7 @@ def run_command(
 
 
 @app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@_reports_errors
 def bench_command(ctx: typer.Context) -> None:
     """Runtime benchmark: baseline vs HARTS F/B/Grad, Core, memory, fidelity (options: harts bench --help-bench)."""
     from harts.bench import main as bench_main

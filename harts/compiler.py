@@ -10,7 +10,7 @@ from harts.batch import RolloutBatch
 from harts.errors import PipelineError
 from harts.ir.layout import LaidOutModule
 from harts.ir.nodes import Phase
-from harts.options import DEFAULT_OPTIONS, CompileOptions
+from harts.options import DEFAULT_OPTIONS, CompileOptions, check_compile_options
 from harts.passes.base import Pass, PassContext
 from harts.passes.codegen import Codegen
 from harts.passes.lower import lower_batch
@@ -88,6 +88,7 @@ def compile(  # noqa: A001 - the public name the design asks for
     if pipeline is None:
         pipeline = default_pipeline_text()
     passes = complete_pipeline(parse_pipeline(pipeline) if isinstance(pipeline, str) else pipeline)
+    check_compile_options(capacity=capacity, dp_size=dp_size, chunk_size=chunk_size, passes=passes)
     verify_each = verification_enabled_by_environment() if verify is None else verify
     all_instruments = list(instruments or ()) + instruments_from_environment()
     started = time.perf_counter()

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 import harts
+from harts.errors import RolloutInputError
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ def run_demo(
     from harts.workloads import resolve_input
 
     batch = resolve_input(input)
+    if all(len(tokens) < 2 for tokens in batch.tokens):
+        raise RolloutInputError(f"input {input!r}: every trajectory has a single token, so no token has a log-prob to train on")
     advantages = training_advantages(batch)
     plan = harts.compile(batch, capacity=capacity, dp_size=1, chunk_size=chunk_size)
     model = build_model(RunOptions(preset=preset, chunk_size=chunk_size, seed=seed), batch)

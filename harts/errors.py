@@ -27,3 +27,7 @@ class PlanningError(HartsError):
 
 class PlanArtifactError(HartsError):
     """A saved plan is truncated, edited, of another schema version, or otherwise unreadable."""
+
+
+class OutputError(HartsError, OSError):
+    """An output HARTS was asked to write cannot be written (read-only place, not a directory, disk full...)."""

@@ -10,7 +10,14 @@ A node table is one table whose rows each carry a ``kind``:
   trajectory ends, interior nodes allowed), optional ``trajectory_id`` (the batch order)
   and any scalar fields (``group_id``, ``reward``, ``advantage``, ...).
 * an optional ``"schema"`` row (written by :func:`write_node_table`) records the NumPy
-  dtype of every field so that a JSON Lines round trip is exact.
+  dtype of every field so that a JSON Lines round trip is exact, and the content hash of the
+  batch: a table that reads back as anything else (damaged bytes, an edit) is refused. Delete
+  ``content_hash`` from the schema row after editing a written table on purpose.
+
+Reading is strict: every field is given on every node that has tokens or on none (a missing
+``loss_mask`` is never filled with ones beside nodes that have one); values are cast to the
+schema's dtypes only when no value changes (no integer wrap-around, no overflow to infinity);
+masks must be finite and in [0, 1].
 
 A tree without trajectory rows contributes one trajectory per leaf node, in node order.
 Trajectory order: by ``trajectory_id`` when the trajectory rows carry it (trees without
@@ -35,8 +42,8 @@ from typing import Any
 import attrs
 import numpy as np
 
-from harts.batch import RolloutBatch, token_id_array
-from harts.errors import RolloutInputError
+from harts.batch import TOKEN_FIELD_KINDS, TRAJECTORY_FIELD_KINDS, RolloutBatch, adopt, check_field_values, token_id_array
+from harts.errors import OutputError, RolloutInputError
 from harts.fsio import atomic_write_with
 
 logger = logging.getLogger(__name__)
@@ -100,15 +107,26 @@ def _is_list(value: Any) -> bool:
     return isinstance(value, (list, tuple, np.ndarray))
 
 
+_ID_RANGE = (int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max))
+
+
 def _integer(value: Any, where: str, column: str) -> int:
     if not _is_integer(value):
-        raise RolloutInputError(f"{where}: column '{column}' must be an integer, got {value!r}")
+        raise RolloutInputError(f"{where}: column '{column}' must be an integer, got {_shown(value)}")
+    if not _ID_RANGE[0] <= value <= _ID_RANGE[1]:
+        raise RolloutInputError(f"{where}: column '{column}' is {_shown(value)}, outside the 64-bit integer range of ids")
     return int(value)
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for messages about arbitrary input."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _token_array(values: Any, where: str) -> np.ndarray:
     if not _is_list(values):
-        raise RolloutInputError(f"{where}: column 'token_ids' must be a list of token ids, got {values!r}")
+        raise RolloutInputError(f"{where}: column 'token_ids' must be a list of token ids, got {_shown(values)}")
     return token_id_array(values, f"{where}: column 'token_ids'")
 
 
@@ -121,11 +139,13 @@ def _require(row: Mapping[str, Any], column: str, where: str, nullable: bool = F
 
 def _parse_rows(
     rows: Iterable[Mapping[str, Any]], column_dtypes: Mapping[str, np.dtype] | None = None
-) -> tuple[list[_Node], list[_TrajectoryRow], dict[str, str]]:
-    """Split rows into nodes and trajectory rows; check ids and types row by row."""
+) -> tuple[list[_Node], list[_TrajectoryRow], dict[str, str], str | None]:
+    """Split rows into nodes and trajectory rows; check ids and types row by row. Also returns the
+    schema's dtypes and content hash (None without a schema record)."""
     nodes: list[_Node] = []
     trajectories: list[_TrajectoryRow] = []
     schema: dict[str, str] = {}
+    content_hash: str | None = None
     schema_record: int | None = None
     for record, row in enumerate(rows):
         if not isinstance(row, Mapping):
@@ -137,11 +157,11 @@ def _parse_rows(
             if schema_record is not None:
                 raise RolloutInputError(f"record {record}: a second schema record (the first is record {schema_record})")
             schema_record = record
-            schema = _parse_schema(row, f"record {record} (schema)")
+            schema, content_hash = _parse_schema(row, f"record {record} (schema)")
             continue
         if kind not in (NODE_KIND, TRAJECTORY_KIND):
             raise RolloutInputError(
-                f"record {record}: unknown kind {kind!r}; expected '{NODE_KIND}' or '{TRAJECTORY_KIND}'"
+                f"record {record}: unknown kind {_shown(kind)}; expected '{NODE_KIND}' or '{TRAJECTORY_KIND}'"
             )
         where = f"record {record} ({kind})"
         tree = _integer(_require(row, "tree_id", where), where, "tree_id")
@@ -159,7 +179,7 @@ def _parse_rows(
             for name, values in extra.items():
                 if not _is_list(values):
                     raise RolloutInputError(
-                        f"{where}: field '{name}' must be a list with one value per token, got {values!r}"
+                        f"{where}: field '{name}' must be a list with one value per token, got {_shown(values)}"
                     )
             nodes.append(_Node(tree=tree, node_id=node_id, parent=parent, tokens=tokens, raw_fields=extra, record=record))
         else:
@@ -176,37 +196,132 @@ def _parse_rows(
             trajectories.append(trajectory)
     if column_dtypes:
         schema = {**{k: np.dtype(v).str for k, v in column_dtypes.items()}, **schema}
-    return nodes, trajectories, schema
+    return nodes, trajectories, schema, content_hash
 
 
-def _parse_schema(row: Mapping[str, Any], where: str) -> dict[str, str]:
+_SCHEMA_KEYS = frozenset({"kind", "version", "token_fields", "trajectory_fields", "content_hash"})
+
+
+def _parse_schema(row: Any, where: str) -> tuple[dict[str, str], str | None]:
+    """The dtypes a schema record names, and the content hash of the batch it was written from (if recorded)."""
+    if not isinstance(row, Mapping):
+        raise RolloutInputError(f"{where}: the schema must be an object, got {type(row).__name__}")
+    unknown = sorted(str(key) for key in row if key not in _SCHEMA_KEYS)
+    if unknown:
+        raise RolloutInputError(f"{where}: unknown schema entries {', '.join(_shown(key) for key in unknown[:3])}")
+    content_hash = row.get("content_hash")
+    if content_hash is not None and not isinstance(content_hash, str):
+        raise RolloutInputError(f"{where}: 'content_hash' must be a string")
     if row.get("version") != SCHEMA_VERSION:
-        raise RolloutInputError(f"{where}: unsupported schema version {row.get('version')!r}")
+        raise RolloutInputError(f"{where}: unsupported schema version {_shown(row.get('version'))}")
     dtypes: dict[str, str] = {}
-    for section in ("token_fields", "trajectory_fields"):
+    for section, kinds in (("token_fields", TOKEN_FIELD_KINDS), ("trajectory_fields", TRAJECTORY_FIELD_KINDS)):
         entries = row.get(section, {})
         if not isinstance(entries, Mapping):
             raise RolloutInputError(f"{where}: '{section}' must map field names to dtypes")
         for name, dtype in entries.items():
+            dtypes[name] = _schema_dtype(dtype, kinds, f"{where}: field '{name}'").str
+    return dtypes, content_hash
+
+
+def _schema_dtype(text: Any, kinds: str, where: str) -> np.dtype:
+    """A dtype named in a schema, limited to the kinds node tables hold (never object or structured types)."""
+    try:
+        dtype = np.dtype(text) if isinstance(text, str) else None
+    except (TypeError, ValueError, SyntaxError):
+        dtype = None
+    if dtype is None or dtype.kind not in kinds or dtype.fields is not None or dtype.shape:
+        raise RolloutInputError(f"{where} has an unknown or unsupported dtype {_shown(text)}")
+    return dtype
+
+
+_PYTHON_KINDS = {frozenset({bool}): "b", frozenset({int}): "i", frozenset({float}): "f", frozenset({int, float}): "f", frozenset({str}): "U"}
+
+
+def _values_array(values: Any, where: str, name: str, kinds: str) -> np.ndarray:
+    """A column's values (a list of Python values from JSON or Arrow, or a typed array from Parquet) as a flat array.
+
+    Python values are typed by what they are, not by what NumPy would promote them to: booleans
+    never mix with numbers, integers stay exact (int64, or uint64 above its range) and strings
+    never mix with numbers.
+    """
+    if isinstance(values, np.ndarray):
+        array = values
+    else:
+        values = list(values)
+        kind = _PYTHON_KINDS.get(frozenset(map(type, values)), "?") if values else "f"
+        if kind == "i":
             try:
-                dtypes[name] = np.dtype(dtype).str
-            except TypeError as error:
-                raise RolloutInputError(f"{where}: field '{name}' has an unknown dtype {dtype!r}") from error
-    return dtypes
-
-
-def _numeric(values: Any, where: str, name: str) -> np.ndarray:
-    array = np.asarray(values)
-    if array.ndim != 1 or array.dtype.kind not in "biuf":
-        raise RolloutInputError(f"{where}: field '{name}' holds non-numeric values")
+                array = np.array(values, dtype=np.int64)
+            except OverflowError:
+                try:
+                    array = np.array(values, dtype=np.uint64)
+                except OverflowError:
+                    bad = next(i for i, v in enumerate(values) if not _ID_RANGE[0] <= v < 2**64)
+                    raise RolloutInputError(f"{where}: field '{name}' entry {bad} is {_shown(values[bad])}, too large for 64 bits") from None
+        elif kind == "?":
+            raise RolloutInputError(f"{where}: field '{name}' holds {_kinds_named(values)}; {_allowed(kinds)}")
+        else:
+            array = np.array(values, dtype={"b": bool, "f": np.float64, "U": str}[kind])
+    if array.ndim != 1 or array.dtype.kind not in kinds:
+        raise RolloutInputError(f"{where}: field '{name}' holds non-numeric values" if "U" not in kinds
+                                else f"{where}: field '{name}' holds {array.dtype} values; {_allowed(kinds)}")
     return array
 
 
+def _kinds_named(values: list) -> str:
+    names = sorted({type(v).__name__ for v in values})
+    return "values of several types (" + ", ".join(names) + ")" if len(names) > 1 else f"{names[0]} values"
+
+
+def _allowed(kinds: str) -> str:
+    return "values must be numbers, booleans or strings (one kind per field)" if "U" in kinds else "values must be numbers or booleans"
+
+
 def _cast(array: np.ndarray, dtype: np.dtype, where: str, name: str) -> np.ndarray:
-    try:
-        return array.astype(dtype, copy=False, casting="same_kind")
-    except TypeError as error:
-        raise RolloutInputError(f"{where}: field '{name}' holds {array.dtype} values that do not fit its dtype {dtype}") from error
+    """``array`` as ``dtype``, refusing every cast that would change a value: no wrap-around, no overflow to
+    infinity, no integer that the float type cannot hold exactly, no truncated string."""
+    source = array.dtype
+    if source == dtype:
+        return array
+    target_kind = dtype.kind
+
+    def refuse(bad: np.ndarray, why: str) -> RolloutInputError:
+        index = int(np.flatnonzero(bad)[0])
+        return RolloutInputError(f"{where}: field '{name}' entry {index} is {array[index].item()!r}, {why} its dtype {dtype}")
+
+    if source.kind == "b" and target_kind in "biuf":
+        return array.astype(dtype)
+    if source.kind in "iu" and target_kind == "b":
+        bad = (array != 0) & (array != 1)
+        if bad.any():
+            raise refuse(bad, "which is not a boolean (0 or 1) as required by")
+        return array.astype(dtype)
+    if source.kind in "iu" and target_kind in "iu":
+        info = np.iinfo(dtype)
+        bad = (array < info.min) | (array > info.max)
+        if bad.any():
+            raise refuse(bad, f"outside the range {info.min}..{info.max} of")
+        return array.astype(dtype)
+    if source.kind in "iu" and target_kind == "f":
+        cast = array.astype(dtype)
+        with np.errstate(invalid="ignore", over="ignore"):
+            bad = ~np.isfinite(cast) | (cast.astype(source) != array)
+        if bad.any():
+            raise refuse(bad, "an integer that cannot be held exactly by")
+        return cast
+    if source.kind == "f" and target_kind == "f":
+        with np.errstate(over="ignore"):
+            cast = array.astype(dtype)
+        bad = np.isfinite(array) & ~np.isfinite(cast)
+        if bad.any():
+            raise refuse(bad, "outside the range of")
+        return cast
+    if source.kind == "U" and target_kind == "U":
+        if array.size and np.char.str_len(array).max() > dtype.itemsize // 4:
+            raise refuse(np.char.str_len(array) > dtype.itemsize // 4, "a string longer than")
+        return array.astype(dtype)
+    raise RolloutInputError(f"{where}: field '{name}' holds {source} values that do not fit its dtype {dtype}")
 
 
 def _token_field_dtypes(nodes: list[_Node], schema: Mapping[str, str]) -> dict[str, np.dtype]:
@@ -217,7 +332,7 @@ def _token_field_dtypes(nodes: list[_Node], schema: Mapping[str, str]) -> dict[s
             current = inferred.setdefault(name, None)
             if name in schema or name == "loss_mask" or len(values) == 0:
                 continue
-            array = _numeric(values, f"tree {node.tree}, node {node.node_id}", name)
+            array = _values_array(values, f"tree {node.tree}, node {node.node_id}", name, TOKEN_FIELD_KINDS)
             kind_dtype = np.dtype(bool) if array.dtype.kind == "b" else np.dtype(np.int64) if array.dtype.kind in "iu" else np.dtype(np.float64)
             inferred[name] = kind_dtype if current is None else np.result_type(current, kind_dtype)
     dtypes = {}
@@ -235,12 +350,27 @@ def _convert_node_fields(nodes: list[_Node], dtypes: Mapping[str, np.dtype]) -> 
     for node in nodes:
         where = f"tree {node.tree}, node {node.node_id}"
         for name, values in node.raw_fields.items():
-            array = _numeric(values, where, name) if len(values) else np.empty(0, dtype=dtypes[name])
+            array = _values_array(values, where, name, TOKEN_FIELD_KINDS) if len(values) else np.empty(0, dtype=dtypes[name])
             if len(array) != len(node.tokens):
                 raise RolloutInputError(
                     f"{where}: field '{name}' has {len(array)} entries, expected {len(node.tokens)} (one per token in 'token_ids')"
                 )
             node.fields[name] = _cast(array, dtypes[name], where, name)
+            check_field_values(TOKEN_COLUMN_TO_FIELD.get(name, name), node.fields[name], where)
+
+
+def _check_field_presence(nodes: list[_Node]) -> None:
+    """A per-token field is on every node that has tokens or on none: a node without it would be
+    read with made-up values (a mask of ones trains on tokens the user meant to mask)."""
+    names = list(dict.fromkeys(name for node in nodes for name in node.raw_fields))
+    for name in names:
+        lacking = [node for node in nodes if name not in node.raw_fields and len(node.tokens)]
+        if lacking:
+            shown = "; ".join(f"tree {node.tree}, node {node.node_id}" for node in lacking[:5])
+            more = f" (and {len(lacking) - 5} more)" if len(lacking) > 5 else ""
+            raise RolloutInputError(
+                f"{shown}{more}: missing field '{name}' that other nodes have; give '{name}' on every node with tokens or on none"
+            )
 
 
 def _check_tree_shapes(nodes: list[_Node]) -> dict[int, dict[int, _Node]]:
@@ -323,19 +453,20 @@ def _trajectory_field_arrays(ordered: list[_TrajectoryRow], schema: Mapping[str,
                 reason = " (its tree has no trajectory rows)" if row.implied else ""
                 raise RolloutInputError(f"{row.label}: missing field '{name}' that other trajectories have{reason}")
             values.append(row.fields[name])
-        array = np.asarray(values)
-        if array.dtype.kind not in "biufU" or array.ndim != 1:
-            raise RolloutInputError(f"field '{name}': trajectory values must be numbers, booleans or strings")
+        array = _values_array(values, "trajectory rows", name, TRAJECTORY_FIELD_KINDS)
         if name in schema:
             array = _cast(array, np.dtype(schema[name]), "trajectory rows", name)
-        arrays[name] = array
+        arrays[name] = adopt(array)
     return arrays
 
 
-def _batch_from_rows(rows: Iterable[Mapping[str, Any]], column_dtypes: Mapping[str, np.dtype] | None = None) -> RolloutBatch:
-    nodes, trajectory_rows, schema = _parse_rows(rows, column_dtypes)
+def _batch_from_rows(rows: Iterable[Mapping[str, Any]], column_dtypes: Mapping[str, np.dtype] | None = None,
+                     stored_hash: str | None = None) -> RolloutBatch:
+    nodes, trajectory_rows, schema, content_hash = _parse_rows(rows, column_dtypes)
+    content_hash = content_hash if content_hash is not None else stored_hash
     if not nodes:
         raise RolloutInputError("node table: no node rows, so the batch holds no trajectories")
+    _check_field_presence(nodes)
     _convert_node_fields(nodes, _token_field_dtypes(nodes, schema))
     trees = _check_tree_shapes(nodes)
     ordered = _ordered_trajectories(trees, trajectory_rows)
@@ -363,25 +494,23 @@ def _batch_from_rows(rows: Iterable[Mapping[str, Any]], column_dtypes: Mapping[s
         tokens.append(np.concatenate([node.tokens for node in path]))
         for name in token_columns:
             pieces = []
-            for node in path:
-                if name in node.fields:
-                    pieces.append(node.fields[name])
-                elif name == "loss_mask" or len(node.tokens) == 0:
-                    pieces.append(np.ones(len(node.tokens), dtype=column_dtypes_resolved[name]))
-                else:
-                    raise RolloutInputError(
-                        f"tree {row.tree}, node {node.node_id}: missing field '{name}' that other nodes have "
-                        f"(needed by {row.short_label})"
-                    )
-            token_values[name].append(np.concatenate(pieces).astype(column_dtypes_resolved[name], copy=False))
+            # the presence check leaves only nodes without tokens lacking a field, or a loss mask given nowhere
+            pieces = [node.fields[name] if name in node.fields else np.ones(len(node.tokens), dtype=column_dtypes_resolved[name])
+                      for node in path]
+            token_values[name].append(adopt(np.concatenate(pieces).astype(column_dtypes_resolved[name], copy=False)))
+        adopt(tokens[-1])
 
     batch = RolloutBatch(
         tokens=tuple(tokens),
         token_fields={TOKEN_COLUMN_TO_FIELD.get(name, name): tuple(values) for name, values in token_values.items()},
         trajectory_fields=_trajectory_field_arrays(ordered, schema),
-        tree_ids=np.array([row.tree for row in ordered], dtype=np.int64),
+        tree_ids=adopt(np.array([row.tree for row in ordered], dtype=np.int64)),
     )
-    batch.validate()
+    if content_hash is not None and content_hash != batch.content_hash():
+        raise RolloutInputError(
+            "node table: the contents differ from what HARTS wrote (the schema's content_hash does not match): the file "
+            "is damaged, or was edited; if the edit is intended, delete 'content_hash' from the schema record"
+        )
     logger.debug("node table: %d nodes in %d trees, %d trajectories", len(nodes), len(trees), len(ordered))
     return batch
 
@@ -393,36 +522,51 @@ def read_node_table_records(records: Iterable[Mapping[str, Any]]) -> RolloutBatc
 
 def _read_jsonl_rows(path: Path) -> list[dict[str, Any]]:
     rows = []
-    with path.open("r", encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise RolloutInputError(f"{path}: line {line_number} is not UTF-8 text (byte {error.start}); node tables are UTF-8 JSON Lines") from None
             if not line.strip():
                 continue
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as error:
-                raise RolloutInputError(f"{path}: line {line_number} is not valid JSON ({error.msg})") from error
+                raise RolloutInputError(f"{path}: line {line_number} is not valid JSON ({error.msg})") from None
+            except RecursionError:
+                raise RolloutInputError(f"{path}: line {line_number} nests lists or objects too deeply") from None
     return rows
 
 
-def _read_parquet_rows(path: Path) -> tuple[list[dict[str, Any]], dict[str, np.dtype]]:
+def _read_parquet_rows(path: Path) -> tuple[list[dict[str, Any]], dict[str, np.dtype], str | None]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         table = pq.read_table(path)
-    except (pa.ArrowInvalid, OSError) as error:
-        raise RolloutInputError(f"{path}: not a readable Parquet file ({error})") from error
+    except (pa.ArrowException, OSError, ValueError) as error:  # Arrow raises its own types, OSError and ValueError for damaged files
+        raise RolloutInputError(f"{path}: not a readable Parquet file ({_shown(str(error), 200)})") from None
     if "kind" not in table.column_names:
         raise RolloutInputError(f"{path}: missing required column 'kind'")
     metadata = table.schema.metadata or {}
     dtypes: dict[str, np.dtype] = {}
     columns: dict[str, list[Any]] = {}
+    if len(set(table.column_names)) != len(table.column_names):
+        raise RolloutInputError(f"{path}: a column name appears twice")
     for name in table.column_names:
-        column = table.column(name).combine_chunks()
+        try:
+            column = table.column(name).combine_chunks()
+        except pa.ArrowException as error:
+            raise RolloutInputError(f"{path}: column '{name}' cannot be read ({_shown(str(error), 200)})") from None
+        if pa.types.is_dictionary(column.type):
+            column = column.dictionary_decode()
         if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
             values = column.values
             if values.null_count:
                 raise RolloutInputError(f"{path}: column '{name}' holds null entries inside a list")
+            if not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type) or pa.types.is_boolean(values.type)):
+                raise RolloutInputError(f"{path}: column '{name}' holds lists of {values.type}; per-token values must be numbers or booleans")
             flat = values.to_numpy(zero_copy_only=False)
             if name != "token_ids" and flat.dtype.kind in "biuf":
                 dtypes[name] = flat.dtype
@@ -432,21 +576,25 @@ def _read_parquet_rows(path: Path) -> tuple[list[dict[str, Any]], dict[str, np.d
         elif pa.types.is_nested(column.type):
             raise RolloutInputError(f"{path}: column '{name}' has unsupported type {column.type}")
         else:
-            if name not in RESERVED_COLUMNS and not pa.types.is_string(column.type):
-                try:
-                    dtypes[name] = np.dtype(column.type.to_pandas_dtype())
-                except (NotImplementedError, TypeError) as error:
-                    raise RolloutInputError(f"{path}: column '{name}' has unsupported type {column.type}") from error
+            plain = pa.types.is_integer(column.type) or pa.types.is_floating(column.type) or pa.types.is_boolean(column.type)
+            text = pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
+            if not (plain or text or pa.types.is_null(column.type)):
+                raise RolloutInputError(f"{path}: column '{name}' has unsupported type {column.type}")
+            if name not in RESERVED_COLUMNS and plain:
+                dtypes[name] = np.dtype(column.type.to_pandas_dtype())
             columns[name] = column.to_pylist()
     if PARQUET_SCHEMA_KEY in metadata:
         try:
             stored = json.loads(metadata[PARQUET_SCHEMA_KEY])
-        except json.JSONDecodeError as error:
-            raise RolloutInputError(f"{path}: the stored HARTS schema is not valid JSON") from error
-        dtypes.update({k: np.dtype(v) for k, v in _parse_schema(stored, f"{path}: stored HARTS schema").items()})
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            raise RolloutInputError(f"{path}: the stored HARTS schema is not valid JSON") from None
+        stored_dtypes, content_hash = _parse_schema(stored, f"{path}: stored HARTS schema")
+        dtypes.update({k: np.dtype(v) for k, v in stored_dtypes.items()})
+    else:
+        content_hash = None
     names = list(columns)
     rows = [dict(zip(names, values)) for values in zip(*(columns[n] for n in names))]
-    return rows, dtypes
+    return rows, dtypes, content_hash
 
 
 def _suffix(path: Path) -> str:
@@ -457,15 +605,29 @@ def _suffix(path: Path) -> str:
 
 
 def read_node_table(path: str | os.PathLike[str]) -> RolloutBatch:
-    """Read a node table (``.jsonl`` or ``.parquet``) into a :class:`RolloutBatch`."""
+    """Read a node table (``.jsonl`` or ``.parquet``) into a :class:`RolloutBatch`.
+
+    Every problem with the file or its contents raises :class:`RolloutInputError` naming the
+    file and the record, tree, node, trajectory or field.
+    """
     path = Path(path)
     suffix = _suffix(path)
+    if path.is_dir():
+        raise RolloutInputError(f"{path}: is a directory, not a node-table file")
     if not path.is_file():
         raise RolloutInputError(f"{path}: no such node-table file")
-    if suffix == ".jsonl":
-        return _batch_from_rows(_read_jsonl_rows(path))
-    rows, dtypes = _read_parquet_rows(path)
-    return _batch_from_rows(rows, dtypes)
+    try:
+        if suffix == ".jsonl":
+            return _batch_from_rows(_read_jsonl_rows(path))
+        rows, dtypes, content_hash = _read_parquet_rows(path)
+        return _batch_from_rows(rows, dtypes, content_hash)
+    except RolloutInputError as error:
+        message = str(error)
+        raise RolloutInputError(message if message.startswith(str(path)) else f"{path}: {message}") from None
+    except OSError as error:
+        raise RolloutInputError(f"{path}: cannot read the node table ({error.strerror or error})") from None
+    except UnicodeDecodeError:
+        raise RolloutInputError(f"{path}: holds text that is not UTF-8 (a damaged file?)") from None
 
 
 # ---------------------------------------------------------------------------- writing
@@ -567,6 +729,7 @@ class _Table:
     trajectory_fields: dict[str, np.ndarray]
     token_dtypes: dict[str, np.dtype]
     trajectory_dtypes: dict[str, np.dtype]
+    content_hash: str
 
     def schema_record(self) -> dict[str, Any]:
         return {
@@ -574,6 +737,7 @@ class _Table:
             "version": SCHEMA_VERSION,
             "token_fields": {name: dtype.str for name, dtype in self.token_dtypes.items()},
             "trajectory_fields": {name: dtype.str for name, dtype in self.trajectory_dtypes.items()},
+            "content_hash": self.content_hash,
         }
 
 
@@ -595,9 +759,6 @@ def _build_table(batch: RolloutBatch) -> _Table:
         if values.dtype.kind not in "biufU" or values.ndim != 1:
             raise RolloutInputError(f"field '{name}': per-trajectory values must be scalars (numbers, booleans or strings)")
         trajectory_dtypes[name] = values.dtype
-    for index, tokens in enumerate(batch.tokens):
-        if len(tokens) == 0:
-            raise RolloutInputError(f"trajectory {index}: empty trajectory; a trajectory needs at least one token")
     tree_ids = _default_tree_ids(batch) if batch.tree_ids is None else np.asarray(batch.tree_ids, dtype=np.int64)
     lengths = batch.lengths
     comparable = [
@@ -608,7 +769,10 @@ def _build_table(batch: RolloutBatch) -> _Table:
     for index, tree in enumerate(tree_ids.tolist()):
         members.setdefault(tree, []).append(index)
 
-    table = _Table([], [], [], [], {c: [] for c in field_values}, [], [], {}, token_dtypes, trajectory_dtypes)
+    # the hash of the batch as it reads back: with the tree ids the table records
+    read_back = batch if batch.tree_ids is not None else attrs.evolve(batch, tree_ids=tree_ids)
+    table = _Table([], [], [], [], {c: [] for c in field_values}, [], [], {}, token_dtypes, trajectory_dtypes,
+                   read_back.content_hash())
     leaf_of = np.zeros(len(batch), dtype=np.int64)
     for tree, tree_members in members.items():
         root = _radix_forest(tree_members, comparable, lengths)
@@ -720,10 +884,17 @@ def write_node_table(batch: RolloutBatch, path: str | os.PathLike[str]) -> None:
     """
     path = Path(path)
     suffix = _suffix(path)
-    if suffix == ".jsonl":
-        records = node_table_records(batch)
-        atomic_write_with(path, lambda target: _write_jsonl(records, target))
-    else:
-        table = _build_table(batch)
-        atomic_write_with(path, lambda target: _write_parquet(table, target))
+    if path.is_dir():
+        raise OutputError(f"cannot write the node table to {path}: it is a directory")
+    try:
+        if suffix == ".jsonl":
+            records = node_table_records(batch)
+            atomic_write_with(path, lambda target: _write_jsonl(records, target))
+        else:
+            table = _build_table(batch)
+            atomic_write_with(path, lambda target: _write_parquet(table, target))
+    except OutputError:
+        raise
+    except OSError as error:
+        raise OutputError(f"cannot write the node table to {path}: {error.strerror or error}") from error
     logger.debug("wrote node table %s (%d trajectories)", path, len(batch))

@@ -314,7 +314,9 @@ def _atomic_write_directory(path: Path, files: dict[str, bytes]) -> None:
             raise _refuse_foreign_target(path, why)
     try:
         replace_directory(path, files, is_ours=_is_plan_directory)
-    except FileExistsError:
+    except FileExistsError as error:
+        if error.filename is not None and Path(error.filename) != path:  # an ancestor is a file, not a directory
+            raise PlanArtifactError(f"cannot save the plan to {path}: {error.filename} is not a directory") from None
         raise _refuse_foreign_target(path, _why_not_a_plan_directory(path) or "it changed while saving") from None
     except OSError as error:
         raise PlanArtifactError(f"cannot save the plan to {path}: {error.strerror or error}") from None
@@ -357,22 +359,37 @@ def load_plan(path: str | os.PathLike) -> Plan:
     """Load and check a plan artifact written by :meth:`Plan.save`.
 
     The layouts come from the stored tensors and are verified against the stored IR; nothing
-    is planned or laid out again.
+    is planned or laid out again. Every way an artifact can be unreadable, damaged or foreign
+    raises :class:`PlanArtifactError` naming the path (and the file inside a plan directory).
     """
     path = Path(path)
     if not path.exists():
         raise PlanArtifactError(f"no plan at {path}")
     try:
+        return _load_plan(path)
+    except PlanArtifactError:
+        raise
+    except OSError as error:
+        where = error.filename or path
+        raise PlanArtifactError(f"{where}: cannot read the plan ({error.strerror or error})") from None
+    except UnicodeDecodeError:
+        raise PlanArtifactError(f"{path}: damaged plan (a text part is not UTF-8)") from None
+    except Exception as error:  # noqa: BLE001 - any other failure on these bytes means a damaged or foreign artifact
+        raise PlanArtifactError(f"{path}: damaged plan ({type(error).__name__}: {str(error)[:200]})") from None
+
+
+def _load_plan(path: Path) -> Plan:
+    try:
         if path.is_dir():
             try:
-                manifest = json.loads((path / _MANIFEST).read_text())
+                manifest = json.loads((path / _MANIFEST).read_bytes().decode("utf-8"))
             except FileNotFoundError:
                 raise PlanArtifactError(f"{path}: missing {_MANIFEST}; not a HARTS plan directory") from None
-            except json.JSONDecodeError as error:
-                raise PlanArtifactError(f"{path / _MANIFEST}: truncated or not JSON ({error})") from None
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
+                raise PlanArtifactError(f"{path / _MANIFEST}: truncated or not JSON ({str(error)[:200]})") from None
             manifest = _check_manifest(manifest, path)
             try:
-                ir_text = (path / _IR).read_text()
+                ir_text = (path / _IR).read_bytes().decode("utf-8")
                 tensor_bytes = (path / _TENSORS).read_bytes()
             except FileNotFoundError as error:
                 raise PlanArtifactError(f"{path}: missing {Path(error.filename).name}") from None
@@ -393,7 +410,7 @@ def load_plan(path: str | os.PathLike) -> Plan:
                 raise PlanArtifactError(f"{path}: no HARTS manifest in the file metadata")
             try:
                 payload = json.loads(metadata["harts"])
-            except json.JSONDecodeError as error:
+            except (json.JSONDecodeError, RecursionError) as error:
                 raise PlanArtifactError(f"{path}: manifest is not JSON ({error})") from None
             if not isinstance(payload, dict) or not isinstance(payload.get("ir"), str):
                 raise PlanArtifactError(f"{path}: the file metadata does not hold a HARTS manifest and IR")
@@ -414,6 +431,9 @@ def load_plan(path: str | os.PathLike) -> Plan:
         raise PlanArtifactError(f"{path}: the stored plan is invalid: {error}") from None
     if module.input_hash != manifest.get("input_hash"):
         raise PlanArtifactError(f"{path}: the IR's input hash differs from the manifest's")
-    stats = dict(manifest.get("stats", {}))
+    stats, pipeline = manifest.get("stats", {}), manifest.get("pipeline_text", "")
+    if not isinstance(stats, dict) or not isinstance(pipeline, str):
+        raise PlanArtifactError(f"{path}: the manifest's stats or pipeline_text has the wrong type")
+    stats = dict(stats)
     stats["plan_seconds"] = None
-    return Plan(module=module, pipeline=manifest.get("pipeline_text", ""), stats=stats, layouts=layouts)
+    return Plan(module=module, pipeline=pipeline, stats=stats, layouts=layouts)

@@ -132,7 +132,8 @@ def token_metadata(
         raise RolloutInputError(f"field '{name}': expected one entry per trajectory ({len(lengths)}), got {len(values)}")
     pieces = []
     for trajectory, (entry, length) in enumerate(zip(values, lengths)):
-        array = entry.detach() if isinstance(entry, torch.Tensor) else torch.as_tensor(np.asarray(entry))
+        # torch.tensor copies: batch arrays are read-only, which torch.as_tensor warns about
+        array = entry.detach() if isinstance(entry, torch.Tensor) else torch.tensor(np.asarray(entry))
         if array.dim() == 0:
             pieces.append(array.to(dtype).expand(length))
             continue

@@ -32,7 +32,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from harts.batch import RolloutBatch
+from harts.batch import MAX_TOKEN_ID, RolloutBatch, adopt
 from harts.errors import RolloutInputError
 from harts.io import SUFFIXES, read_node_table
 
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 #: Every generated trajectory is at most this long (one microbatch of capacity 65,536 holds it).
 MAX_TRAJECTORY_TOKENS = 65_535
 DEMO_RESOURCE = "demo_rollouts.jsonl"
-PRESETS = ("demo", "swe-like")
+PRESETS = ("demo", "swe-like", "no-sharing", "wide-tree", "grpo")
 
 PROMPT, ASSISTANT, TOOL = 0, 1, 2
 
@@ -264,32 +264,38 @@ def _path_arrays(path: _Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def swe_like_step(seed: int = 0, scale: float = 1.0, vocab_size: int = 151_000,
-                  profile: str = DEFAULT_SWE_LIKE_PROFILE) -> RolloutBatch:
+                  profile: str = DEFAULT_SWE_LIKE_PROFILE, tasks: int | None = None) -> RolloutBatch:
     """One synthetic agentic-SWE training step (at scale 1: about 1.5k paths, 40M tokens, 5.7x trie sharing).
 
     ``scale`` multiplies every token length and the number of tasks (at least one task);
-    ``profile`` names a shape of :data:`SWE_LIKE_PROFILES`.
+    ``profile`` names a shape of :data:`SWE_LIKE_PROFILES`; ``tasks`` sets the number of task
+    trees instead (token lengths still follow ``scale``).
     Fields: ``loss_mask`` (1 on assistant tokens), ``group_id`` (the task), ``reward``
     (0/1), ``advantage`` (GRPO within the task's group).
     """
     if not scale > 0:
         raise RolloutInputError(f"swe-like: option 'scale' must be positive, got {scale!r}")
-    if vocab_size < 2:
-        raise RolloutInputError(f"swe-like: option 'vocab_size' must be at least 2, got {vocab_size!r}")
+    _check_vocabulary("swe-like", vocab_size)
     if profile not in SWE_LIKE_PROFILES:
         raise RolloutInputError(f"swe-like: unknown profile {profile!r}; profiles: {', '.join(SWE_LIKE_PROFILES)}")
+    if tasks is not None and not 1 <= tasks <= _MAX_GENERATED_TRAJECTORIES:
+        raise RolloutInputError(f"swe-like: option 'tasks' must be in 1..{_MAX_GENERATED_TRAJECTORIES:,}, got {tasks!r}")
     shape = SWE_LIKE_PROFILES[profile]
+    count = max(1, round(shape.tasks * scale)) if tasks is None else tasks
+    paths = min(shape.max_paths, shape.paths_median * np.exp(shape.paths_sigma**2 / 2))
+    length = min(MAX_TRAJECTORY_TOKENS, shape.horizon_median * scale * np.exp(shape.horizon_sigma**2 / 2))
+    _check_generated_tokens("swe-like", count * paths * length)
     rng = np.random.default_rng(seed)
     generator = _SweLikeGenerator(rng, scale, vocab_size, shape)
     system_prompt = generator._tokens(generator._uniform_length(shape.system_prompt_tokens))
-    tasks = max(1, round(shape.tasks * scale))
+    tasks = max(1, round(shape.tasks * scale)) if tasks is None else tasks
     tokens, masks, groups, rewards = [], [], [], []
     for task in range(tasks):
         success = rng.beta(1.2, 1.8)
         for path in generator.task(system_prompt):
             path_tokens, loss_mask = _path_arrays(path)
-            tokens.append(path_tokens)
-            masks.append(loss_mask)
+            tokens.append(adopt(path_tokens))  # fresh arrays: the batch takes them without a copy
+            masks.append(adopt(loss_mask))
             groups.append(task)
             rewards.append(float(rng.random() < success))
     groups_array = np.asarray(groups, dtype=np.int64)
@@ -313,6 +319,102 @@ def swe_like_step(seed: int = 0, scale: float = 1.0, vocab_size: int = 151_000,
 def swe_like_steps(count: int = 10, scale: float = 1.0, profile: str = DEFAULT_SWE_LIKE_PROFILE) -> list[RolloutBatch]:
     """``count`` SWE-like steps, for seeds 1..count."""
     return [swe_like_step(seed=seed, scale=scale, profile=profile) for seed in range(1, count + 1)]
+
+
+# ----------------------------------------------------------------------------- planner shapes
+#
+# The batch shapes a planner must handle in bounded time besides agentic trees (benchmarks/bench_planner.py
+# --shapes): no sharing at all, one very wide tree, GRPO groups. Prompt tokens carry loss mask 0, generated
+# tokens 1; every trajectory gets a 0/1 reward and a GRPO advantage within its group.
+
+#: generators refuse more trajectories, or more expected raw tokens, than this (a typo such as groups=2560000 or
+#: scale=100 should fail at once, not exhaust the machine's memory)
+_MAX_GENERATED_TRAJECTORIES = 1_000_000
+MAX_GENERATED_TOKENS = 1_000_000_000
+
+
+def _check_generated_tokens(preset: str, expected: float) -> None:
+    if expected > MAX_GENERATED_TOKENS:
+        raise RolloutInputError(
+            f"{preset}: these options generate about {expected:,.0f} tokens, more than the {MAX_GENERATED_TOKENS:,} "
+            "a generated batch may hold; lower the scale or the counts"
+        )
+
+
+def _check_count(preset: str, name: str, value: int, low: int = 1, high: int = _MAX_GENERATED_TRAJECTORIES) -> None:
+    if not low <= value <= high:
+        raise RolloutInputError(f"{preset}: {name} must be in {low:,}..{high:,}, got {value!r}")
+
+
+def _check_vocabulary(preset: str, vocab_size: int) -> None:
+    if not 2 <= vocab_size <= MAX_TOKEN_ID + 1:
+        raise RolloutInputError(f"{preset}: option 'vocab_size' must be at least 2 and at most {MAX_TOKEN_ID + 1:,}, got {vocab_size!r}")
+
+
+def _prompted_batch(rng: np.random.Generator, prompts: list[np.ndarray], responses: list[tuple[int, np.ndarray]]) -> RolloutBatch:
+    """Trajectories ``prompts[p] + response`` for (p, response) pairs; tree and group = p."""
+    tokens, masks = [], []
+    for prompt_index, response in responses:
+        prompt = prompts[prompt_index]
+        tokens.append(adopt(np.concatenate([prompt, response])))
+        masks.append(adopt(np.concatenate([np.zeros(len(prompt), np.float32), np.ones(len(response), np.float32)])))
+    groups = np.array([p for p, _ in responses], dtype=np.int64)
+    rewards = (rng.random(len(responses)) < 0.5).astype(np.float64)
+    return RolloutBatch(tokens=tuple(tokens), token_fields={"loss_mask": tuple(masks)},
+                        trajectory_fields={"group_id": groups, "reward": rewards, "advantage": grpo_advantages(rewards, groups)},
+                        tree_ids=groups.copy())
+
+
+def no_sharing_step(trajectories: int = 1500, min_tokens: int = 1000, max_tokens: int = 5133, seed: int = 0,
+                    vocab_size: int = 151_000) -> RolloutBatch:
+    """``trajectories`` unrelated single-turn trajectories (distinct first tokens: no shared prefix at all),
+    lengths uniform in ``[min_tokens, max_tokens]`` (by default 4.6M tokens for 1,500)."""
+    _check_count("no-sharing", "option 'trajectories'", trajectories)
+    _check_vocabulary("no-sharing", vocab_size)
+    if not 1 <= min_tokens <= max_tokens <= MAX_TRAJECTORY_TOKENS:
+        raise RolloutInputError(f"no-sharing: need 1 <= min_tokens <= max_tokens <= {MAX_TRAJECTORY_TOKENS}, got {min_tokens}, {max_tokens}")
+    if trajectories > vocab_size:
+        raise RolloutInputError(f"no-sharing: {trajectories} distinct first tokens need vocab_size >= {trajectories}")
+    _check_generated_tokens("no-sharing", trajectories * (min_tokens + max_tokens) / 2)
+    rng = np.random.default_rng(seed)
+    firsts = rng.permutation(vocab_size)[:trajectories]
+    lengths = rng.integers(min_tokens, max_tokens + 1, size=trajectories)
+    prompts = [np.array([first], dtype=np.int64) for first in firsts]
+    responses = [(i, rng.integers(0, vocab_size, size=int(length) - 1, dtype=np.int64)) for i, length in enumerate(lengths)]
+    return _prompted_batch(rng, prompts, responses)
+
+
+def wide_tree_step(leaves: int = 2000, prompt_tokens: int = 2000, min_tokens: int = 100, max_tokens: int = 3000,
+                   seed: int = 0, vocab_size: int = 151_000) -> RolloutBatch:
+    """One very wide rollout tree: ``leaves`` responses (lengths uniform in ``[min_tokens, max_tokens]``) forking
+    from one ``prompt_tokens``-token prompt."""
+    _check_count("wide-tree", "option 'leaves'", leaves)
+    _check_vocabulary("wide-tree", vocab_size)
+    if not 1 <= prompt_tokens or not 1 <= min_tokens <= max_tokens or prompt_tokens + max_tokens > MAX_TRAJECTORY_TOKENS:
+        raise RolloutInputError(f"wide-tree: need prompt and response lengths >= 1 with prompt + max_tokens <= {MAX_TRAJECTORY_TOKENS}")
+    _check_generated_tokens("wide-tree", leaves * (prompt_tokens + (min_tokens + max_tokens) / 2))
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, vocab_size, size=prompt_tokens, dtype=np.int64)
+    lengths = rng.integers(min_tokens, max_tokens + 1, size=leaves)
+    return _prompted_batch(rng, [prompt], [(0, rng.integers(0, vocab_size, size=int(n), dtype=np.int64)) for n in lengths])
+
+
+def grpo_step(groups: int = 256, group_size: int = 16, min_prompt: int = 200, max_prompt: int = 3000,
+              min_tokens: int = 100, max_tokens: int = 8000, seed: int = 0, vocab_size: int = 151_000) -> RolloutBatch:
+    """GRPO groups: ``groups`` prompts (lengths uniform in ``[min_prompt, max_prompt]``), each answered
+    ``group_size`` times (lengths uniform in ``[min_tokens, max_tokens]``); by default 4,096 trajectories, 23M tokens."""
+    _check_count("grpo", "option 'groups'", groups)
+    _check_count("grpo", "option 'group_size'", group_size)
+    _check_count("grpo", "groups x group_size (the trajectories)", groups * group_size)
+    _check_vocabulary("grpo", vocab_size)
+    if not 1 <= min_prompt <= max_prompt or not 1 <= min_tokens <= max_tokens or max_prompt + max_tokens > MAX_TRAJECTORY_TOKENS:
+        raise RolloutInputError(f"grpo: need lengths >= 1 with max_prompt + max_tokens <= {MAX_TRAJECTORY_TOKENS}")
+    _check_generated_tokens("grpo", groups * group_size * (min_prompt + max_prompt + min_tokens + max_tokens) / 2)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, vocab_size, size=int(n), dtype=np.int64) for n in rng.integers(min_prompt, max_prompt + 1, size=groups)]
+    lengths = rng.integers(min_tokens, max_tokens + 1, size=groups * group_size)
+    responses = [(i // group_size, rng.integers(0, vocab_size, size=int(n), dtype=np.int64)) for i, n in enumerate(lengths)]
+    return _prompted_batch(rng, prompts, responses)
 
 
 def trees_near_compression(batch: RolloutBatch, budget: int, target: float, capacity: int) -> RolloutBatch:
@@ -518,7 +620,15 @@ def demo_batch() -> RolloutBatch:
 
 # ----------------------------------------------------------------------------- input specs
 
-_SWE_LIKE_OPTIONS = {"seed": int, "scale": float, "vocab_size": int, "profile": str}
+_SWE_LIKE_OPTIONS = {"seed": int, "scale": float, "vocab_size": int, "profile": str, "tasks": int}
+#: generated presets beside ``swe-like``: name -> (generator, its options)
+_SHAPE_PRESETS = {
+    "no-sharing": (no_sharing_step, {"trajectories": int, "min_tokens": int, "max_tokens": int, "seed": int, "vocab_size": int}),
+    "wide-tree": (wide_tree_step, {"leaves": int, "prompt_tokens": int, "min_tokens": int, "max_tokens": int, "seed": int,
+                                   "vocab_size": int}),
+    "grpo": (grpo_step, {"groups": int, "group_size": int, "min_prompt": int, "max_prompt": int, "min_tokens": int,
+                         "max_tokens": int, "seed": int, "vocab_size": int}),
+}
 
 
 def _parse_options(preset: str, text: str, allowed: dict[str, type]) -> dict[str, object]:
@@ -540,7 +650,9 @@ def resolve_input(spec: str | os.PathLike[str]) -> RolloutBatch:
     """A batch from a node-table path (``.jsonl`` / ``.parquet``) or a preset.
 
     Presets: ``demo``, ``swe-like`` and ``swe-like:seed=3,scale=0.1`` (options ``seed``,
-    ``scale``, ``vocab_size``, ``profile``: ``large-trees`` or ``calibrated``).
+    ``scale``, ``vocab_size``, ``profile``: ``large-trees`` or ``calibrated``, ``tasks``), and the
+    planner shapes ``no-sharing``, ``wide-tree`` and ``grpo`` (options: the keyword arguments of
+    :func:`no_sharing_step`, :func:`wide_tree_step`, :func:`grpo_step`).
     """
     text = os.fspath(spec)
     preset, _, option_text = text.partition(":")
@@ -549,6 +661,9 @@ def resolve_input(spec: str | os.PathLike[str]) -> RolloutBatch:
         return demo_batch()
     if preset == "swe-like":
         return swe_like_step(**_parse_options("swe-like", option_text, _SWE_LIKE_OPTIONS))
+    if preset in _SHAPE_PRESETS:
+        generator, options = _SHAPE_PRESETS[preset]
+        return generator(**_parse_options(preset, option_text, options))
     path = Path(text)
     if path.suffix.lower() in SUFFIXES:
         return read_node_table(path)
@@ -574,6 +689,9 @@ __all__ = [
     "SweLikeShape",
     "demo_batch",
     "grpo_advantages",
+    "grpo_step",
+    "no_sharing_step",
+    "wide_tree_step",
     "make_demo_batch",
     "resolve_input",
     "swe_like_step",

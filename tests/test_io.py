@@ -119,7 +119,7 @@ def test_nodes_only_table_makes_one_trajectory_per_leaf_in_node_order():
     batch = read_node_table_records(
         [
             node(7, 0, None, [1, 2, 3]),
-            node(7, 2, 0, [5, 6], loss_mask=[1, 0]),
+            node(7, 2, 0, [5, 6]),
             node(7, 1, 0, [4]),
             node(3, 10, None, [9]),
         ]
@@ -127,7 +127,7 @@ def test_nodes_only_table_makes_one_trajectory_per_leaf_in_node_order():
     assert [t.tolist() for t in batch.tokens] == [[1, 2, 3, 5, 6], [1, 2, 3, 4], [9]]
     assert batch.tree_ids.tolist() == [7, 7, 3]
     assert batch.loss_mask[0].dtype == np.float32
-    assert [m.tolist() for m in batch.loss_mask] == [[1, 1, 1, 1, 0], [1, 1, 1, 1], [1]]
+    assert [m.tolist() for m in batch.loss_mask] == [[1, 1, 1, 1, 1], [1, 1, 1, 1], [1]]
     assert batch.trajectory_fields == {}
     assert set(batch.token_fields) == {"loss_mask"}
 
@@ -141,9 +141,9 @@ def test_logprobs_column_becomes_rollout_logprobs():
 
 def test_interior_leaf_and_trajectory_ids_set_the_order():
     records = [
-        node(0, 0, None, [1, 2]),
+        node(0, 0, None, [1, 2], loss_mask=[1, 1]),
         node(0, 1, 0, [3, 4], loss_mask=[0, 1]),
-        node(0, 2, 1, [5]),
+        node(0, 2, 1, [5], loss_mask=[1]),
         trajectory(0, 2, trajectory_id=4, reward=1.0, group_id=0),
         trajectory(0, 0, trajectory_id=1, reward=0.0, group_id=0),  # a prefix of the other
         trajectory(0, 1, trajectory_id=2, reward=0.5, group_id=0),
@@ -245,7 +245,7 @@ INVALID_TABLES = {
         "tree 0, node 0: field 'loss_mask' has 1 entries, expected 2 (one per token in 'token_ids')",
     ),
     "logprobs length": (
-        [node(0, 0, None, [1]), node(0, 1, 0, [2, 3], logprobs=[-1.0, -2.0, -3.0])],
+        [node(0, 0, None, [1], logprobs=[0.0]), node(0, 1, 0, [2, 3], logprobs=[-1.0, -2.0, -3.0])],
         "tree 0, node 1: field 'logprobs' has 3 entries, expected 2",
     ),
     "per-token field not a list": (
@@ -254,7 +254,7 @@ INVALID_TABLES = {
     ),
     "per-token field not numeric": (
         [node(0, 0, None, [1, 2], weight=[1.0, "x"])],
-        "tree 0, node 0: field 'weight' holds non-numeric values",
+        "tree 0, node 0: field 'weight' holds values of several types (float, str); values must be numbers or booleans",
     ),
     "float token": ([node(0, 3, None, [1, 2.5])], "tree 0, node 3: column 'token_ids' entry 1 is 2.5, not an integer token id"),
     "string token": ([node(0, 3, None, ["7"])], "tree 0, node 3: column 'token_ids' entry 0 is '7', not an integer token id"),
@@ -295,7 +295,7 @@ INVALID_TABLES = {
     ),
     "per-token field missing on a node": (
         [node(0, 0, None, [1]), node(0, 1, 0, [2], logprobs=[-1.0]), trajectory(0, 1, trajectory_id=0)],
-        "tree 0, node 0: missing field 'logprobs' that other nodes have (needed by trajectory 0)",
+        "tree 0, node 0: missing field 'logprobs' that other nodes have",
     ),
     "logprobs under two names": (
         [node(0, 0, None, [1], logprobs=[-1.0], rollout_logprobs=[-1.0])],
@@ -371,9 +371,8 @@ def test_writer_rejects_fields_it_cannot_round_trip(tmp_path):
         write_node_table(RolloutBatch.from_trajectories(tokens, logprobs=[[0.0, 0.0], [0.0]]), tmp_path / "a.jsonl")
     with pytest.raises(RolloutInputError, match="field 'leaf': the name is reserved"):
         write_node_table(RolloutBatch.from_trajectories(tokens, leaf=[1, 2]), tmp_path / "a.jsonl")
-    empty = RolloutBatch(tokens=(np.array([1]), np.array([], dtype=np.int64)), token_fields={}, tree_ids=None)
-    with pytest.raises(RolloutInputError, match="trajectory 1: empty trajectory"):
-        write_node_table(empty, tmp_path / "a.parquet")
+    with pytest.raises(RolloutInputError, match="trajectory 1: field 'tokens' is empty"):
+        RolloutBatch(tokens=(np.array([1]), np.array([], dtype=np.int64)), token_fields={}, tree_ids=None)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -468,7 +467,7 @@ def random_batch(seed: int, trees: int, trajectories_per_tree: int, vocab: int) 
                 own_logprobs = np.concatenate([logprobs[parent][:fork], -rng.integers(0, 64, size=extra).astype(np.float32) / 8])
                 if fork and rng.random() < 0.2:
                     # Shared tokens, different metadata: the writer must split these positions.
-                    own_mask[int(rng.integers(0, fork))] = 2.0
+                    own_mask[int(rng.integers(0, fork))] = 0.5
                 if fork and rng.random() < 0.1:
                     own_logprobs[int(rng.integers(0, fork))] = np.nan if rng.random() < 0.5 else -0.0
             tokens.append(own_tokens)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from harts.errors import HartsError, IRVerificationError, PipelineError
+from harts.errors import HartsError, IRVerificationError, OutputError, PipelineError
 from harts.fsio import atomic_write_bytes
 from harts.ir.text import print_ir
 from harts.ir.verify import verify
@@ -82,9 +82,12 @@ class DumpIR(Instrument):
         self.count = 0
 
     def _write(self, name: str, text: str) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
         target = self.directory / f"{self.count:03d}_{name}.txt"
-        atomic_write_bytes(target, text.encode())
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(target, text.encode())
+        except OSError as error:
+            raise OutputError(f"cannot dump the IR to {self.directory}: {error.strerror or error}") from error
         self.count += 1
 
     def before_pipeline(self, module: Stage | None) -> None:

@@ -6,21 +6,31 @@ With the total work J1 fixed, a lower J2 means less summed excess of the slot ma
 the slot means (``D * J2 - J1``, the numerator of Eq. 23 summed over slots).
 
 Each round evaluates a pool of changes that move one run of a microbatch's members (a
-*subtree*) to another microbatch, or swap two such runs:
+*subtree*) to another microbatch, or swap two such runs. Every neighbourhood is bounded, so a
+round costs time linear in the batch (all pairs of units, as an earlier version tried, cost
+N^2 per round on a batch without sharing or with one very wide tree):
 
 * *units*: the runs of a microbatch that share only the batch-wide common prefix with the
   rest of it (for the SWE-like steps, one task's trajectories; a microbatch holding one task
-  is one unit). Every unit may move from a microbatch with several units to any other
-  microbatch, and any two units of different microbatches may swap. Between different trees
-  these changes cost no work, and with many units of assorted sizes their differences give
-  fine-grained transfers;
+  is one unit; without any sharing, one trajectory). While every unit move (from a microbatch
+  of several units to any other) and every swap of two units fit in
+  :data:`EXHAUSTIVE_UNIT_CHANGES` and a quarter of the budget, a round takes them all. With
+  more units (no sharing, one very wide tree) it narrows them: a change of units costs no work, so it
+  alters J2 only where a slot maximum falls: units leave the *critical* microbatches (each
+  slot's heaviest and those tied with it). A unit of size s in critical u moves to the
+  ``reach`` heaviest microbatches of work at most w(u) - s, and to the ``reach`` whose room
+  below their own slot's maximum fits s most tightly (filling a heavy slot lets u's slot get
+  lighter without any slot getting heavier); it swaps with the ``reach`` units just smaller
+  than it, anywhere (the finest transfers);
 * *subtrees* (LCP intervals of a microbatch's sorted members, single trajectories included):
-  moves to the microbatches holding a rank that shares at least as much with the subtree as
-  its own microbatch does (another piece of the same tree; the ``window`` nearest runs of
-  equal labels on either side), and swaps with that microbatch's subtrees of the same tree,
-  or with any of its subtrees when the move alone already saves work (the swap makes room).
-  With ``exchange`` these include the work-saving changes of :mod:`harts.planner.exchange`:
-  balancing frees capacity that lets more subtrees go home.
+  moves to the microbatches holding a rank that shares more than the batch-wide prefix and
+  at least as much with the subtree as its own microbatch does (another piece of the same
+  tree; the ``window`` nearest runs of equal labels on either side), and swaps with that
+  microbatch's ``reach`` subtrees nearest in work on either side, when the move alone already
+  saves work or either microbatch is a slot's heaviest or lightest (else the swap changes
+  neither J2 nor L). With ``exchange`` these include the work-saving changes of
+  :mod:`harts.planner.exchange`: balancing frees capacity that lets more subtrees go home; in
+  the free rounds (below) the subtree changes are not narrowed to critical microbatches.
 
 Work changes are exact (Eq. 5 through pairwise LCPs; inserts are proposed only where no
 remaining member of the receiver lies between the run's ends). The new J2 of every change is
@@ -34,9 +44,9 @@ maximum, no single change lowers J2, but raising the slot's lightest one (L grow
 unchanged) makes the next change possible. In the first ``free_rounds`` rounds a change that
 saves work is admissible even when the excess grows (J1 comes first in J). A round ranks the
 pool by (work change, new J2, -new L) and applies changes in that order on microbatches no
-earlier change of the round touched, re-checking each against the current works; the next
-round rebuilds the pool. Balancing stops after ``rounds`` rounds or after a round that changes
-nothing. K, coverage, nonemptiness and capacity are preserved; total compact work never
+earlier change of the round touched, re-checking each (at most K per round) against the current works; the next
+round rebuilds the pool. Balancing stops after ``rounds`` rounds, after a round that changes
+nothing, or once its work budget (:mod:`harts.planner.budget`) is spent. K, coverage, nonemptiness and capacity are preserved; total compact work never
 increases and (J1, J2, -L) strictly falls with every applied change, so the search cannot
 cycle. The result is returned only when its J is strictly lower than the input's (plateau
 changes alone leave J1 and J2 equal and may move J3 either way); otherwise the input is.
@@ -48,14 +58,16 @@ import logging
 
 import numpy as np
 
-from harts.planner.exchange import Layout, sharing_receivers, subtree_runs
+from harts.planner.exchange import Layout, around, nearest_runs, sharing_receivers, subtree_runs
+from harts.planner.budget import WorkBudget, unlimited
 from harts.planner.ranks import RankSpace
 from harts.planner.schedule import assign_slots, objective_of, slot_critical_after
 
 logger = logging.getLogger(__name__)
 
-#: at most this many pool entries are re-checked per round
-_TRIES_PER_ROUND = 4096
+#: a round takes every unit move and swap when there are at most this many (a few hundred units, e.g. whole
+#: task trees); more units get the bounded neighbourhoods. A constant, so a round stays linear in the batch
+EXHAUSTIVE_UNIT_CHANGES = 1 << 16
 
 
 def _first_ranks(labels: np.ndarray, count: int) -> np.ndarray:
@@ -82,13 +94,6 @@ def _units(layout: Layout, floor: int) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([[0], ends[:-1] + 1]).astype(np.int64), ends.astype(np.int64)
 
 
-def _expand(owners: np.ndarray, counts: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For each owner i, the indices ``starts[i] .. starts[i] + counts[i] - 1``: (repeated owner, index)."""
-    owner = np.repeat(owners, counts)
-    offset = np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)
-    return owner, np.repeat(starts, counts) + offset
-
-
 class _Pool:
     """Changes as parallel arrays: run ``a..b`` of microbatch u moves to v, run ``c..d`` of v (if any) to u."""
 
@@ -112,24 +117,19 @@ def _swap_works(layout: Layout, works, u, v, a, b, c, d, saving_a, work_a, savin
     return works[u] - saving_a + cost_c, works[v] - saving_c + cost_a, fits_a & fits_c
 
 
-def _pool(space: RankSpace, capacity: int, labels: np.ndarray, works: np.ndarray, layout: Layout, window: int):
-    n, count = space.size, works.size
-    floor = int(space.lcp[1:].min()) if n > 1 else 0
-    pool = _Pool()
+def _holds(held: np.ndarray, trees: int, group: np.ndarray, tree: np.ndarray) -> np.ndarray:
+    """Whether microbatch ``group[i]`` holds a unit of tree ``tree[i]``; ``held`` is the sorted unique ``group * trees + tree``
+    of every unit (a lookup table of size units, not microbatches x trees)."""
+    keys = group * trees + tree
+    if held.size == 0:
+        return np.zeros(keys.shape, dtype=bool)
+    return held[np.minimum(np.searchsorted(held, keys), held.size - 1)] == keys
 
-    # units: moves from microbatches with several units to every microbatch, swaps between any two. Units
-    # of different trees share exactly ``floor`` tokens, so a microbatch holding units of distinct trees
-    # has work floor + sum(C(unit) - floor), and a change that keeps every microbatch's trees distinct
-    # moves exactly C(unit) - floor (the others are left to the exact subtree changes below).
-    unit_first, unit_last = _units(layout, floor)
-    unit_group = layout.group_of_position[unit_first]
-    tree_of_rank = np.cumsum(space.lcp <= floor) - 1 if n else np.zeros(0, dtype=np.int64)
-    unit_tree = tree_of_rank[layout.order[unit_first]]
-    unit_size = (layout.length_prefix[unit_last + 1] - layout.length_prefix[unit_first]
-                 - (layout.adjacent_prefix[unit_last] - layout.adjacent_prefix[unit_first])) - floor
-    holds = np.zeros((count, int(tree_of_rank[-1]) + 1 if n else 0), dtype=bool)
-    holds[unit_group, unit_tree] = True
-    per_group = np.bincount(unit_group, minlength=count)
+
+def _all_unit_changes(pool: _Pool, capacity: int, works, unit_first, unit_last, unit_group, unit_tree, unit_size, held,
+                      trees: int, per_group) -> None:
+    """Every unit move (from a microbatch of several units, to any microbatch) and every swap of two units."""
+    count = works.size
     movable = np.flatnonzero(per_group[unit_group] >= 2)
     if movable.size:
         unit, target = np.repeat(movable, count), np.tile(np.arange(count), movable.size)
@@ -137,23 +137,98 @@ def _pool(space: RankSpace, capacity: int, labels: np.ndarray, works: np.ndarray
         new_u, new_v = works[source] - unit_size[unit], works[target] + unit_size[unit]
         none = np.ones_like(unit), np.zeros_like(unit)
         pool.add(source, target, unit_first[unit], unit_last[unit], *none, new_u, new_v,
-                 (target != source) & ~holds[target, unit_tree[unit]] & (new_v <= capacity))
+                 (target != source) & ~_holds(held, trees, target, unit_tree[unit]) & (new_v <= capacity))
     if unit_first.size > 1:
         mine, theirs = np.triu_indices(unit_first.size, 1)
-        u, v = unit_group[mine], unit_group[theirs]
-        difference = unit_size[theirs] - unit_size[mine]
-        new_u, new_v = works[u] + difference, works[v] - difference
-        distinct = (unit_tree[mine] == unit_tree[theirs]) | (~holds[v, unit_tree[mine]] & ~holds[u, unit_tree[theirs]])
-        pool.add(u, v, unit_first[mine], unit_last[mine], unit_first[theirs], unit_last[theirs], new_u, new_v,
-                 (u != v) & distinct & (difference != 0) & (new_u <= capacity) & (new_v <= capacity))
+        _add_unit_swaps(pool, capacity, works, mine, theirs, unit_first, unit_last, unit_group, unit_tree, unit_size, held, trees)
 
-    # subtrees: moves to microbatches holding ranks that share as much; swaps with their subtrees of the same
-    # tree, or with any of their subtrees when the move alone already saves work (the swap makes room for it)
+
+def _add_unit_swaps(pool: _Pool, capacity: int, works, mine, theirs, unit_first, unit_last, unit_group, unit_tree, unit_size,
+                    held, trees: int) -> None:
+    """Swaps of units ``mine[i]`` and ``theirs[i]`` that keep every microbatch's trees distinct (so they are exact)."""
+    u, v = unit_group[mine], unit_group[theirs]
+    difference = unit_size[theirs] - unit_size[mine]
+    new_u, new_v = works[u] + difference, works[v] - difference
+    distinct = (unit_tree[mine] == unit_tree[theirs]) | (~_holds(held, trees, v, unit_tree[mine]) & ~_holds(held, trees, u, unit_tree[theirs]))
+    pool.add(u, v, unit_first[mine], unit_last[mine], unit_first[theirs], unit_last[theirs], new_u, new_v,
+             (u != v) & distinct & (difference != 0) & (new_u <= capacity) & (new_v <= capacity))
+
+
+def _pool(space: RankSpace, capacity: int, labels: np.ndarray, works: np.ndarray, layout: Layout, window: int,
+          dp_size: int, reach: int, saving_work: bool, allowance: int):
+    """This round's changes. Every part is bounded by (units or subtrees) x ``reach`` or ``window``, so a round costs
+    time linear in the batch, never the square of it; when every unit move and swap fits in ``allowance`` entries
+    (a few hundred units: whole trees), all of them are taken instead. ``saving_work``: also the subtree changes that only
+    a work-saving swap partner makes worth it, wherever they are (the free rounds, where J1 may fall)."""
+    n, count = space.size, works.size
+    floor = int(space.lcp[1:].min()) if n > 1 else 0
+    pool = _Pool()
+
+    # Units: a change of units alters J2 only through a slot maximum that falls, so units leave the critical
+    # microbatches (each slot's heaviest, and those tied with it). Units of different trees share exactly
+    # ``floor`` tokens, so a microbatch holding units of distinct trees has work floor + sum(C(unit) - floor),
+    # and a change that keeps every microbatch's trees distinct moves exactly C(unit) - floor (the others are
+    # left to the exact subtree changes below).
+    unit_first, unit_last = _units(layout, floor)
+    unit_group = layout.group_of_position[unit_first]
+    tree_of_rank = np.cumsum(space.lcp <= floor) - 1 if n else np.zeros(0, dtype=np.int64)
+    trees = int(tree_of_rank[-1]) + 1 if n else 0
+    unit_tree = tree_of_rank[layout.order[unit_first]]
+    unit_size = (layout.length_prefix[unit_last + 1] - layout.length_prefix[unit_first]
+                 - (layout.adjacent_prefix[unit_last] - layout.adjacent_prefix[unit_first])) - floor
+    held = np.unique(unit_group * trees + unit_tree)
+    descending = np.lexsort((_first_ranks(labels, count), -works))  # the slot rule's order
+    position = np.empty(count, dtype=np.int64)
+    position[descending] = np.arange(count)
+    slot_start = (position // dp_size) * dp_size
+    critical = works == works[descending][slot_start]
+    # slot minima (and ties): raising one lifts L, which crosses plateaus of J2 (see the module docstring)
+    pivotal = critical | (works == works[descending][np.minimum(slot_start + dp_size - 1, count - 1)])
+    per_group = np.bincount(unit_group, minlength=count)
+    units = unit_first.size
+    if int((per_group[unit_group] >= 2).sum()) * count + units * (units - 1) // 2 <= allowance:
+        _all_unit_changes(pool, capacity, works, unit_first, unit_last, unit_group, unit_tree, unit_size, held, trees, per_group)
+        leaving = np.zeros(0, dtype=np.int64)  # the bounded neighbourhoods below are subsets of these
+    else:
+        leaving = np.flatnonzero(critical[unit_group] & (unit_size > 0))
+
+    # moves: to the ``reach`` heaviest microbatches that stay at or below the source's old work, and to the
+    # ``reach`` whose room below their own slot's maximum fits the unit most tightly (filling a heavy slot
+    # lets the unit's old slot get lighter without any slot getting heavier)
+    movable = leaving[per_group[unit_group[leaving]] >= 2]
+    if movable.size:
+        source = unit_group[movable]
+        landing = np.searchsorted(-works[descending], -(works[source] - unit_size[movable]), side="left")
+        owner, at = around(landing, landing, np.full_like(landing, count), reach)
+        room = works[descending][slot_start] - works
+        by_room = np.lexsort((np.arange(count), room))
+        fitting = np.searchsorted(room[by_room], unit_size[movable], side="left")
+        owner_room, at_room = around(fitting, fitting, np.full_like(fitting, count), reach)
+        unit = movable[np.concatenate([owner, owner_room])]
+        target = np.concatenate([descending[at], by_room[at_room]])
+        source = unit_group[unit]
+        new_u, new_v = works[source] - unit_size[unit], works[target] + unit_size[unit]
+        none = np.ones_like(unit), np.zeros_like(unit)
+        pool.add(source, target, unit_first[unit], unit_last[unit], *none, new_u, new_v,
+                 (target != source) & ~_holds(held, trees, target, unit_tree[unit]) & (new_v <= capacity))
+    # swaps: with the ``reach`` units just smaller (by size, anywhere), the finest transfers of work
+    if leaving.size and unit_first.size > 1:
+        by_size = np.lexsort((np.arange(unit_size.size), unit_size))
+        below = np.searchsorted(unit_size[by_size], unit_size[leaving], side="left")
+        owner, at = around(below, np.zeros_like(below), below, reach)
+        _add_unit_swaps(pool, capacity, works, leaving[owner], by_size[at], unit_first, unit_last, unit_group, unit_tree,
+                        unit_size, held, trees)
+
+    # subtrees: moves to microbatches holding ranks that share as much; swaps with the ``reach`` subtrees of
+    # such a microbatch nearest in work on either side, when the move alone already saves work or the
+    # partner is of the same tree (the swap makes room for it)
     first, last = subtree_runs(layout)
     if first.size:
         group = layout.group_of_position[first]
         saving, run_work = layout.run_saving(first, last)
-        run, target = sharing_receivers(space, labels, layout, first, last, run_work - saving - 1, window)
+        # a run that shares only ``floor`` with its own microbatch is a unit: the unit changes above place it
+        shared = run_work - saving - 1
+        run, target = sharing_receivers(space, labels, layout, first, last, shared if saving_work else np.maximum(shared, floor), window)
         cost, fits = layout.insert_cost(target, first[run], last[run], run_work[run], np.ones_like(run), np.zeros_like(run))
         source = group[run]
         new_u, new_v = works[source] - saving[run], works[target] + cost
@@ -161,11 +236,11 @@ def _pool(space: RankSpace, capacity: int, labels: np.ndarray, works: np.ndarray
         free = fits & (change <= 0)
         none = np.ones_like(run), np.zeros_like(run)
         pool.add(source, target, first[run], last[run], *none, new_u, new_v, free & (new_v <= capacity))
-        promising = np.flatnonzero(free)
+        # a swap that saves no work changes J2 or L only through a slot's heaviest or lightest microbatch
+        promising = np.flatnonzero(free & (saving_work | (change < 0) | pivotal[source] | pivotal[target]))
         if promising.size:
-            runs_per_group = np.bincount(group, minlength=count)
-            group_start = np.concatenate([[0], np.cumsum(runs_per_group)])
-            pick, partner = _expand(promising, runs_per_group[target[promising]], group_start[target[promising]])
+            pick, partner = nearest_runs(group, run_work, target[promising], run_work[run[promising]], count, reach)
+            pick = promising[pick]
             mine = run[pick]
             keep = change[pick] < 0
             keep |= space.lcp_between(np.minimum(layout.order[first[mine]], layout.order[first[partner]]),
@@ -180,14 +255,19 @@ def _pool(space: RankSpace, capacity: int, labels: np.ndarray, works: np.ndarray
 
 
 def balance_slots(space: RankSpace, capacity: int, labels: np.ndarray, dp_size: int, rounds: int = 64, window: int = 4,
-                  exchange: bool = False, exchange_window: int = 8, free_rounds: int = 0) -> np.ndarray:
+                  exchange: bool = False, exchange_window: int = 8, free_rounds: int = 0, reach: int = 8,
+                  budget: WorkBudget | None = None) -> np.ndarray:
     """Labels whose J is strictly lower than the input's, or the input labels unchanged; see the module docstring.
 
     With ``exchange`` every round's pool also holds the work-saving subtree moves and swaps of
     :mod:`harts.planner.exchange` (``exchange_window``): balancing changes free capacity that lets
     more subtrees go home. In the first ``free_rounds`` rounds a change that saves work is taken
     even when it raises the summed slot excess (J1 comes first in J); later rounds keep the rule.
+    ``reach`` bounds each unit's and subtree's partners (see the module docstring); ``budget``
+    (:mod:`harts.planner.budget`) is charged each round's trajectories, pool entries and K
+    re-checks, and no round starts once it is spent.
     """
+    budget = unlimited() if budget is None else budget
     original = labels
     labels = np.asarray(labels, dtype=np.int64).copy()
     count = int(labels.max()) + 1
@@ -198,9 +278,15 @@ def balance_slots(space: RankSpace, capacity: int, labels: np.ndarray, dp_size: 
         return labels
     initial = _objective(works, labels, dp_size)
     total, (critical, low) = initial[0], _slot_extremes(works, dp_size)
+    n = space.size
     for round_index in range(rounds):
+        if budget.spent:
+            break
         layout = Layout(space, labels, count)
-        found = _pool(space, capacity, labels, works, layout, max(window, exchange_window) if exchange else window)
+        found = _pool(space, capacity, labels, works, layout, max(window, exchange_window) if exchange else window, dp_size, reach,
+                      saving_work=round_index < free_rounds, allowance=min(budget.limit // 4, EXHAUSTIVE_UNIT_CHANGES))
+        # a round costs its tables, its pool and at most ``count`` re-checks of pool entries
+        budget.charge_round(n + (0 if found is None else found[0].size) + count)
         if found is None:
             break
         u, v, a, b, c, d, new_u, new_v = found
@@ -217,10 +303,14 @@ def balance_slots(space: RankSpace, capacity: int, labels: np.ndarray, dp_size: 
         ranked = useful[np.lexsort((d[useful], c[useful], b[useful], a[useful], -after_low[useful], after[useful], change[useful]))]
         touched = np.zeros(count, dtype=bool)
         applied = 0
-        for k in ranked[:_TRIES_PER_ROUND].tolist():
+        tries = count
+        for k in ranked.tolist():
             first_group, second_group = int(u[k]), int(v[k])
             if touched[first_group] or touched[second_group]:
                 continue
+            if tries == 0:
+                break
+            tries -= 1
             trial = works.copy()
             trial[first_group], trial[second_group] = new_u[k], new_v[k]
             trial_total, (trial_critical, trial_low) = total + int(change[k]), _slot_extremes(trial, dp_size)

@@ -16,8 +16,13 @@ of every microbatch A:
   microbatch does (another piece of the same tree, where R's siblings live). Those ranks form
   one range on each side of R (LCPs only fall with rank distance), found by binary search;
   the receivers are the microbatches of the ``window`` nearest runs of equal labels in it;
-* swapping R with each subtree S of such a B, when moving R alone would already save work
-  ignoring capacity (the swap makes room, or S is better off in A).
+* swapping R with the subtrees S of such a B nearest to R in work (``reach`` on either side),
+  when moving R alone would already save work ignoring capacity (the swap makes room, or S is
+  better off in A).
+
+Every neighbourhood is capped (``window`` receivers, ``reach`` partners), so a round costs time
+linear in the number of subtrees; rounds stop when the stage's work budget
+(:mod:`harts.planner.budget`) is spent.
 
 Costs are exact (Eq. 5 through pairwise LCPs): removing a run saves ``|run| - internal LCPs -
 LCP(left, first) - LCP(last, right) + LCP(left, right)`` for its neighbours in A, and
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from harts.planner.budget import WorkBudget, unlimited
 from harts.planner.ranks import RankSpace
 
 
@@ -218,11 +224,43 @@ def sharing_receivers(space: RankSpace, labels: np.ndarray, layout: Layout, firs
     return pair // count, pair % count
 
 
-def _candidates(space: RankSpace, capacity: int, labels: np.ndarray, works: np.ndarray, layout: Layout, window: int):
-    """Admissible work-saving moves and swaps: arrays (saving, A, B, a..b run of A, c..d run of B or empty, new A, new B)."""
+def expand(owners: np.ndarray, counts: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each owner i, the indices ``starts[i] .. starts[i] + counts[i] - 1``: (repeated owner, index)."""
+    owner = np.repeat(owners, counts)
+    offset = np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    return owner, np.repeat(starts, counts) + offset
+
+
+def around(centre: np.ndarray, low: np.ndarray, high: np.ndarray, reach: int) -> tuple[np.ndarray, np.ndarray]:
+    """For each i, the positions ``centre[i] - reach .. centre[i] + reach - 1`` clipped to ``[low[i], high[i])``:
+    (repeated i, position). Bounds every neighbourhood the searches evaluate to ``2 * reach`` entries."""
+    start = np.maximum(centre - reach, low)
+    counts = np.maximum(np.minimum(centre + reach, high) - start, 0)
+    return expand(np.arange(centre.size), counts, start)
+
+
+def nearest_runs(group: np.ndarray, run_work: np.ndarray, receivers: np.ndarray, wanted: np.ndarray, count: int,
+                 reach: int) -> tuple[np.ndarray, np.ndarray]:
+    """For each query i, the subtrees of microbatch ``receivers[i]`` nearest to work ``wanted[i]``, ``reach`` on either
+    side (``group[j]`` / ``run_work[j]``: subtree j's microbatch and work): (query i, subtree j) pairs.
+
+    Swapping a subtree for one of similar work changes both microbatches' works the least, which is
+    what a swap that makes room for a move needs; the cap keeps swaps linear in the subtrees."""
+    scale = int(run_work.max(initial=0)) + 1
+    order = np.lexsort((np.arange(group.size), run_work, group))
+    keys = group[order] * scale + run_work[order]
+    bounds = np.searchsorted(group[order], np.arange(count + 1))
+    centre = np.searchsorted(keys, receivers * scale + np.minimum(wanted, scale - 1))
+    owner, at = around(centre, bounds[receivers], bounds[receivers + 1], reach)
+    return owner, order[at]
+
+
+def _candidates(space: RankSpace, capacity: int, labels: np.ndarray, works: np.ndarray, layout: Layout, window: int, reach: int):
+    """Admissible work-saving moves and swaps: arrays (saving, A, B, a..b run of A, c..d run of B or empty, new A, new B),
+    and the number of changes evaluated."""
     first, last = subtree_runs(layout)
     if first.size == 0:
-        return None
+        return None, 0
     group = layout.group_of_position[first]
     saving, run_work = layout.run_saving(first, last)
     run_index, receivers = sharing_receivers(space, labels, layout, first, last, run_work - saving, window)
@@ -236,16 +274,12 @@ def _candidates(space: RankSpace, capacity: int, labels: np.ndarray, works: np.n
     parts.append((move_gain[take], source[take], receivers[take], first[run_index][take], last[run_index][take],
                   np.ones(int(take.sum()), dtype=np.int64), np.zeros(int(take.sum()), dtype=np.int64),
                   works[source[take]] - saving[run_index][take], works[receivers[take]] + cost[take]))
-    # swaps with every subtree S of B, for the moves that save work ignoring capacity
+    # swaps with the subtrees S of B nearest in work (``reach`` on either side), for the moves that save work
+    # ignoring capacity
     promising = np.flatnonzero(ok)
     if promising.size:
-        runs_per_group = np.bincount(group, minlength=works.size)
-        group_run_start = np.concatenate([[0], np.cumsum(runs_per_group)])
-        partner_count = runs_per_group[receivers[promising]]
-        mine = np.repeat(promising, partner_count)
-        base = np.repeat(group_run_start[receivers[promising]], partner_count)
-        within = np.arange(mine.size) - np.repeat(np.cumsum(partner_count) - partner_count, partner_count)
-        theirs = base + within
+        pick, theirs = nearest_runs(group, run_work, receivers[promising], run_work[run_index[promising]], works.size, reach)
+        mine = promising[pick]
         a_group, b_group = source[mine], receivers[mine]
         r_first, r_last = first[run_index[mine]], last[run_index[mine]]
         s_first, s_last = first[theirs], last[theirs]
@@ -259,19 +293,29 @@ def _candidates(space: RankSpace, capacity: int, labels: np.ndarray, works: np.n
         take = r_fits & s_fits & (gain > 0) & (new_a <= capacity) & (new_b <= capacity)
         parts.append((gain[take], a_group[take], b_group[take], r_first[take], r_last[take], s_first[take], s_last[take],
                       new_a[take], new_b[take]))
-    return tuple(np.concatenate(p) for p in zip(*parts))
+    evaluated = int(run_index.size + (mine.size if promising.size else 0))
+    return tuple(np.concatenate(p) for p in zip(*parts)), evaluated
 
 
-def exchange_subtrees(space: RankSpace, capacity: int, labels: np.ndarray, rounds: int = 16, window: int = 8) -> np.ndarray:
-    """Labels after up to ``rounds`` rounds of work-saving subtree moves and swaps; see the module docstring."""
+def exchange_subtrees(space: RankSpace, capacity: int, labels: np.ndarray, rounds: int = 16, window: int = 8,
+                      reach: int = 8, budget: WorkBudget | None = None) -> np.ndarray:
+    """Labels after up to ``rounds`` rounds of work-saving subtree moves and swaps; see the module docstring.
+
+    ``reach`` bounds the swap partners of each move; ``budget`` (:mod:`harts.planner.budget`) is
+    charged each round's trajectories and candidates, and no round starts that it cannot afford."""
+    budget = unlimited() if budget is None else budget
     labels = np.asarray(labels, dtype=np.int64).copy()
     count = int(labels.max()) + 1
     works = space.group_works(labels, count)
     if works.max() > capacity:
         return labels
+    n = space.size
     for _ in range(rounds):
+        if budget.spent:
+            break
         layout = Layout(space, labels, count)
-        found = _candidates(space, capacity, labels, works, layout, window)
+        found, evaluated = _candidates(space, capacity, labels, works, layout, window, reach)
+        budget.charge_round(n + evaluated)
         if found is None or found[0].size == 0:
             break
         gain, a_group, b_group, r_first, r_last, s_first, s_last, new_a, new_b = found

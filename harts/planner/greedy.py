@@ -363,7 +363,9 @@ def place_pieces(space: RankSpace, capacity: int, starts: np.ndarray, policy: st
     n = space.size
     ends = np.append(starts[1:] - 1, n - 1)
     works = space.interval_works(starts, ends)
-    columns = len(starts)
+    # room for twice the microbatches the whole batch needs (the tables grow if that is short): one
+    # column per piece would make the tables pieces x N, quadratic when pieces are single trajectories
+    columns = min(len(starts), max(16, 2 * -(-space.interval_work(0, n - 1) // capacity) + 8))
     packing = Packing(space, capacity, np.full((columns, n), -1, dtype=np.int32), np.full((columns, n), n, dtype=np.int32),
                       np.zeros(columns, dtype=np.int64), 0, np.full(n, -1, dtype=np.int64))
     scale = np.int64(capacity) + 1
@@ -385,6 +387,8 @@ def place_pieces(space: RankSpace, capacity: int, starts: np.ndarray, policy: st
                 column = int(np.where(feasible, score, -1).argmax())
                 packing.insert_run(first, last, column, int(delta[column]))
                 continue
+        if packing.used == packing.work.shape[0]:
+            packing._grow()
         column = packing.used
         packing.used += 1
         packing.alive[column] = True

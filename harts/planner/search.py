@@ -38,6 +38,13 @@ within-slot balancing (``harts.planner.balance``: exact subtree and unit moves a
 never add compact work, scored by the exact J2 after the slot rule), added as
 ``...+balanced``. Each copy is added only when its J is strictly lower. The
 lexicographically smallest J wins (ties: smaller K, then the first generated).
+
+Planning time is charged to the speedup (§3.2), so every stage beyond the paper (the re-cut
+chain, the piece and unit greedies, subtree exchange, slot balancing) has a work budget of
+``<stage>_work * N`` units (:mod:`harts.planner.budget`) and bounded neighbourhoods: a
+stage costs time near-linear in N on every batch shape, and what it found before its budget ran
+out still competes. Since every paper candidate competes too, the plan's J is never worse than
+the paper's stages alone. ``PlanResult.work`` reports the units each stage used.
 """
 
 from __future__ import annotations
@@ -51,10 +58,14 @@ import numpy as np
 from harts.errors import PlanningError
 from harts.ir.prefix_index import PrefixIndex
 from harts.planner import balance, contiguous, exchange, greedy, repair
+from harts.planner.budget import WorkBudget
 from harts.planner.ranks import RankSpace
 from harts.planner.schedule import assign_slots, objective_of
 
 logger = logging.getLogger(__name__)
+
+#: the stages beyond the paper, each with its own work budget (:mod:`harts.planner.budget`)
+EXTENSION_STAGES = ("recut", "pieces", "exchange", "balance")
 
 
 @attrs.frozen
@@ -88,9 +99,20 @@ class PlannerOptions:
     #: moved or swapped between microbatches when that strictly lowers compact work; needs
     #: ``extended`` (it goes beyond the paper) and only adds candidates
     exchange: bool = True
-    exchange_candidates: int = 1
+    exchange_candidates: int = 2
     exchange_rounds: int = 32
     exchange_window: int = 8
+    #: partners per unit or subtree in the exchange and balancing neighbourhoods (nearest in work)
+    reach: int = 8
+    #: work budgets (:mod:`harts.planner.budget`) of the stages beyond the paper, in units per trajectory (a
+    #: stage stops, or is not started, once it would use more than this times N). A unit of the re-cut chain is
+    #: one adjacent pair or window scanned (plain Python, about 0.1 us); of the piece and unit greedies one
+    #: piece evaluated against one open microbatch (Eq. 10, vectorised, about 0.2 us); of subtree exchange and
+    #: slot balancing one exact change evaluated or one trajectory of a round's tables (about 1 us)
+    recut_work: int = 256
+    pieces_work: int = 256
+    exchange_work: int = 64
+    balance_work: int = 128
 
 
 @attrs.frozen(eq=False)
@@ -128,6 +150,9 @@ class PlanResult:
     k_range: tuple[int, ...]
     candidates: tuple[tuple[str, int, tuple[int, int, int]], ...]
     seconds: dict
+    #: work units used by each stage beyond the paper, and the budget each had (deterministic)
+    work: dict
+    work_limits: dict
 
 
 def _instantiate(space: RankSpace, labels: np.ndarray, dp_size: int, source: str) -> Candidate:
@@ -187,6 +212,7 @@ def plan(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
         )
     seconds["prepare"] = clock() - started
 
+    budgets = {stage: WorkBudget(limit=getattr(options, f"{stage}_work") * n) for stage in EXTENSION_STAGES}
     started = clock()
     base: list[tuple[str, np.ndarray]] = []
     exact = n <= options.exact_threshold
@@ -195,7 +221,12 @@ def plan(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
             base.append((f"exact/K={k}", contiguous.labels_from_starts(starts, n)))
     else:
         sampled = contiguous.sampled_k_values(k_values, options.sample_budget)
-        chains = (("fallback", "sampled"), ("always", "sampled-recut")) if options.extended else (("never", "sampled"),)
+        chains = [("fallback", "sampled") if options.extended else ("never", "sampled")]
+        # the re-cut chain scans every adjacent pair and window once per merge (plain Python)
+        recut_cost = 2 * len(natural) * max(0, len(natural) - min(sampled))
+        if options.extended and recut_cost <= budgets["recut"].limit:
+            chains.append(("always", "sampled-recut"))
+            budgets["recut"].charge_round(recut_cost)
         for recut, tag in chains:
             for k, starts in sorted(contiguous.evolve_partitions(space, capacity, natural, sampled, recut).items()):
                 if not (recut == "always" and k >= len(natural)):  # splits do not depend on the merge rule
@@ -211,10 +242,20 @@ def plan(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
     started = clock()
     piece_choices = []
     if options.greedy and options.extended:
-        piece_choices.append(greedy.preselect(greedy.piece_plans(space, capacity, dp_size, natural)))
+        # each policy evaluates every piece against at least this many open microbatches; a placement that
+        # would overrun the budget is not started
+        columns = max(1, -(-lower_bound // capacity))
+        pieces = budgets["pieces"]
+        if 2 * len(natural) * columns <= pieces.limit:
+            piece_choices.append(greedy.preselect(greedy.piece_plans(space, capacity, dp_size, natural)))
+            pieces.charge_round(2 * len(natural) * columns)
         units = contiguous.unit_partition(space, capacity)
-        if len(units) > len(natural):  # units refine the natural partition: equal counts, equal partitions
+        # units refine the natural partition: equal counts give equal partitions; single-trajectory units repeat
+        # the trajectory greedy
+        cost = 2 * len(units) * columns
+        if len(natural) < len(units) < n and pieces.used + cost <= pieces.limit:
             piece_choices.append(greedy.preselect(greedy.piece_plans(space, capacity, dp_size, units, "units")))
+            pieces.charge_round(cost)
     seconds["pieces"] = clock() - started
 
     generated: list[tuple[str, np.ndarray]] = list(base)
@@ -261,7 +302,8 @@ def plan(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
     if options.exchange and options.extended:
         ranked = sorted(enumerate(candidates), key=lambda item: (item[1].objective, item[1].count, item[0]))
         for _, candidate in ranked[: options.exchange_candidates]:
-            exchanged = exchange.exchange_subtrees(space, capacity, candidate.labels, options.exchange_rounds, options.exchange_window)
+            exchanged = exchange.exchange_subtrees(space, capacity, candidate.labels, options.exchange_rounds, options.exchange_window,
+                                                   options.reach, budgets["exchange"])
             exchanged_candidate = _instantiate(space, exchanged, dp_size, f"{candidate.source}+exchanged")
             if exchanged_candidate.objective < candidate.objective and exchanged_candidate.labels.tobytes() not in seen:
                 seen.add(exchanged_candidate.labels.tobytes())
@@ -275,7 +317,8 @@ def plan(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
             exchanging = options.exchange and options.extended
             balanced = balance.balance_slots(space, capacity, candidate.labels, dp_size, options.balance_rounds, options.balance_window,
                                              exchange=exchanging, exchange_window=options.exchange_window,
-                                             free_rounds=options.balance_exchange_rounds if exchanging else 0)
+                                             free_rounds=options.balance_exchange_rounds if exchanging else 0,
+                                             reach=options.reach, budget=budgets["balance"])
             balanced_candidate = _instantiate(space, balanced, dp_size, f"{candidate.source}+balanced")
             if balanced_candidate.objective < candidate.objective and balanced_candidate.labels.tobytes() not in seen:
                 seen.add(balanced_candidate.labels.tobytes())
@@ -300,6 +343,8 @@ def plan(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
         k_range=tuple(k_values),
         candidates=tuple((c.source, c.count, c.objective) for c in candidates),
         seconds=seconds,
+        work={stage: budget.used for stage, budget in budgets.items()},
+        work_limits={stage: budget.limit for stage, budget in budgets.items()},
     )
 
 

@@ -254,7 +254,7 @@ def divergence_by_depth(
     """
     sums = {d: [0.0, 0.0, 0] for d in range(max_depth + 1)}
     for trajectory, ref_hidden in reference.items():
-        target = torch.as_tensor(tokens[trajectory], device=ref_hidden.device)
+        target = torch.tensor(tokens[trajectory], device=ref_hidden.device)  # a copy: batch token arrays are read-only
         depth = torch.as_tensor(depths[trajectory], device=ref_hidden.device)
         for start in range(0, ref_hidden.shape[0] - 1, block_rows):
             stop = min(ref_hidden.shape[0] - 1, start + block_rows)
