@@ -123,7 +123,7 @@ class LayoutSpec:
 
     def token_field(self, values: Sequence[Any]) -> torch.Tensor:
         """Token-aligned per-trajectory values (``field[i][t]`` belongs to ``tokens[i][t]``) in this layout."""
-        arrays = [v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v)) for v in values]
+        arrays = [v if isinstance(v, torch.Tensor) else torch.tensor(np.asarray(v)) for v in values]  # copies: batch fields are read-only
         if len(arrays) != len(self.lengths):
             raise LayoutError(f"{len(arrays)} per-trajectory arrays for a batch of {len(self.lengths)} trajectories")
         for index, (array, length) in enumerate(zip(arrays, self.lengths)):
