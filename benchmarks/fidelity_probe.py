@@ -38,10 +38,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harts  # noqa: E402
-from harts.bench import baseline_microbatches, select_trees  # noqa: E402
+from harts_bench.runtime import baseline_microbatches, select_trees  # noqa: E402
 from harts.kernels import dispatch  # noqa: E402
 from harts.runtime import BaselineView, HybridConfig, HybridModel, TreeView  # noqa: E402
-from harts.workloads import swe_like_step, trees_near_compression  # noqa: E402
+from harts_bench.workloads import swe_like_step, trees_near_compression  # noqa: E402
 
 logger = logging.getLogger("fidelity_probe")
 
@@ -163,7 +163,7 @@ def layer_outputs(model: HybridModel, ids: torch.Tensor, view, parts: bool = Tru
 def probe_layers(model: HybridModel, batch, plan, groups, trajectories: list[int], parts: bool = True) -> dict:
     """Per block and sub-layer: mean row cosine and max |diff|, baseline vs HARTS and vs repacked; the
     first differing position of every trajectory next to its fork positions."""
-    from harts.runtime.ablation import fork_positions
+    from harts_bench.ablation import fork_positions
 
     device = model.device
     chunk = model.config.chunk_size

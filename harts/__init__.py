@@ -25,7 +25,7 @@ from harts.errors import (
 from harts.options import DEFAULT_OPTIONS, CompileOptions
 from harts.plan import Plan, load_plan
 
-_LAZY_SUBMODULES = ("runtime", "models", "rl", "kernels", "workloads", "io", "codegen", "planner", "interop", "train")
+_LAZY_SUBMODULES = ("runtime", "models", "rl", "kernels", "inputs", "io", "codegen", "planner", "interop", "train")
 
 
 def __getattr__(name: str):

@@ -94,6 +94,19 @@ def print_stats(stats: dict, title: str = "plan") -> None:
     Console().print(table)
 
 
+def _benchmark_entry(module: str, name: str):
+    """A command that lives with the benchmarks (``harts_bench``, installed beside the library), loaded on use."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as error:
+        if error.name and error.name.split(".")[0] == "harts_bench":
+            raise HartsError(f"this command runs {module}, which is not installed: install HARTS from its repository "
+                             "(pip install -e .), which brings the benchmarks package harts_bench") from None
+        raise
+
+
 @app.command("compile")
 @_reports_errors
 def compile_command(
@@ -111,7 +124,7 @@ def compile_command(
 ) -> None:
     """Compile a rollout batch into a plan artifact."""
     from harts.passes.manager import DumpIR, PrintIRAfter, TimePasses
-    from harts.workloads import resolve_input
+    from harts.inputs import resolve_input
 
     if dump_ir is not None and dump_ir.exists() and not dump_ir.is_dir():
         _fail(f"--dump-ir {dump_ir}: it exists and is not a directory; name a directory to dump the stages into")
@@ -302,7 +315,7 @@ def run_command(
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
 ) -> None:
     """The main job: compile a batch, train a few GRPO steps with HARTS and the baseline from the same weights, compare."""
-    from harts.demo import run_demo
+    run_demo = _benchmark_entry("harts_bench.demo", "run_demo")
     from harts.train.loop import step_progress
 
     if threads > 0:
@@ -334,7 +347,7 @@ def run_command(
 @_reports_errors
 def bench_command(ctx: typer.Context) -> None:
     """Runtime benchmark: baseline vs HARTS F/B/Grad, Core, memory, fidelity (options: harts bench --help-bench)."""
-    from harts.bench import main as bench_main
+    bench_main = _benchmark_entry("harts_bench.runtime", "main")
 
     arguments = ["--help" if a == "--help-bench" else a for a in ctx.args]
     bench_main(arguments)

@@ -8,7 +8,7 @@ import torch
 
 import harts
 from harts.runtime import HybridConfig, HybridModel, log_probs_baseline
-from harts.runtime.ablation import NoReplayView, divergence_by_depth, fork_positions, handoff_depths
+from harts_bench.ablation import NoReplayView, divergence_by_depth, fork_positions, handoff_depths
 from harts.runtime.view import BaselineView
 from tests.strategies import forked_trajectories
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import harts
-from harts.bench_attention import PATHS, AttentionShape, bench_layout
+from harts_bench.attention import PATHS, AttentionShape, bench_layout
 from harts.codegen.fx import attention_kv_rows
 from harts.runtime import HybridConfig
-from harts.workloads import swe_like_step
+from harts_bench.workloads import swe_like_step
 
 REPO = Path(__file__).resolve().parents[1]
 

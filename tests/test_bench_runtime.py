@@ -63,7 +63,7 @@ def test_gpu_plan_on_fast_kernels_matches_the_baseline_on_the_references():
     from harts.kernels import Dispatch
     from harts.kernels.linear_attention.chunk import fla_available
     from harts.runtime import HybridConfig, HybridModel, log_probs, log_probs_baseline
-    from harts.workloads import swe_like_step
+    from harts_bench.workloads import swe_like_step
 
     if not fla_available():
         pytest.skip("flash-linear-attention is not installed")

@@ -381,7 +381,7 @@ GENERATOR_OPTIONS = {
 
 @pytest.mark.parametrize("spec", sorted(GENERATOR_OPTIONS))
 def test_generated_presets_refuse_options_that_cannot_or_should_not_be_built(spec):
-    from harts.workloads import resolve_input
+    from harts.inputs import resolve_input
 
     with pytest.raises(RolloutInputError) as error:
         resolve_input(spec)

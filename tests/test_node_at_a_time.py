@@ -24,7 +24,7 @@ import harts
 from harts.errors import PlanningError
 from harts.kernels import dispatch
 from harts.runtime import HybridConfig, HybridModel, log_probs_baseline, microbatch_log_probs
-from harts.runtime.ablation import NodeAtATimeView, NoReplayView, TrieNodes, fork_positions
+from harts_bench.ablation import NodeAtATimeView, NoReplayView, TrieNodes, fork_positions
 from tests.strategies import chunk_aligned_token_trees, forked_trajectories, token_trees
 
 CHUNK = 8

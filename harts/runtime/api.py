@@ -234,7 +234,7 @@ def microbatch_log_probs(
 
     ``view_type`` builds the execution view from the microbatch's layout; a subclass of
     :class:`TreeView` changes how sequence operators are scheduled on the same rows (the
-    node-at-a-time ablation, :class:`harts.runtime.ablation.NodeAtATimeView`).
+    node-at-a-time ablation, :class:`harts_bench.ablation.NodeAtATimeView`).
     """
     temperature = _check_temperature(temperature)
     module = _module_of(plan)

@@ -255,7 +255,7 @@ def _describe(model, options: RunOptions) -> str:
 def run_training(options: RunOptions, *, console=None, progress: bool = True) -> TrainingRun:
     """Run ``options.steps`` RL steps on the batch ``options.input`` (see the module docstring)."""
     import harts
-    from harts.workloads import resolve_input
+    from harts.inputs import resolve_input
 
     if options.input is None:
         raise TrainingError("no rollout batch: give INPUT (a node table or a preset) or 'input' in the config")

@@ -47,7 +47,6 @@ import attrs
 import numpy as np
 import torch
 
-from harts.bench import _peak_gib, _reset_peak, _sync, say
 from harts.codegen.fx import attention_kv_rows
 from harts.codegen.layout import MicrobatchLayout
 from harts.kernels import dispatch
@@ -55,6 +54,7 @@ from harts.kernels.attention import tree_mask as tree_attention
 from harts.kernels.attention.varlen import flash_varlen_available
 from harts.runtime.config import HybridConfig
 from harts.runtime.tree_view import TreeView
+from harts_bench.common import peak_memory_gib, reset_peak_memory, say, synchronize
 
 logger = logging.getLogger(__name__)
 
@@ -89,10 +89,10 @@ def _median_ms(fn, device: torch.device, warmup: int, repeats: int) -> float:
         fn()
     times = []
     for _ in range(repeats):
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
@@ -107,10 +107,10 @@ def _mask_build_seconds(parent: np.ndarray, device: torch.device) -> dict[str, f
     and a rebuild."""
     timings = {}
     for name, use_cache in (("mask_build_seconds", True), ("mask_rebuild_seconds", False)):
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         tree_attention.prepare(parent, device, use_cache=use_cache)
-        _sync(device)
+        synchronize(device)
         timings[name] = time.perf_counter() - start
     return timings
 
@@ -176,22 +176,22 @@ def bench_layout(layout: MicrobatchLayout, shape: AttentionShape, device: torch.
                 torch.autograd.grad(fn(*leaves), leaves, grad_out)
 
             one_time = _mask_build_seconds(parent, device) if name == "flex_tree" else {}
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             out = fn(*leaves)
             first_grads = torch.autograd.grad(out, leaves, grad_out)
-            _sync(device)
+            synchronize(device)
             first_call = time.perf_counter() - start
             if name != "varlen_kernel_only":
                 grads[name] = (out.detach(), *(g.detach() for g in first_grads))
             out = first_grads = None
             forward_ms = _median_ms(forward, device, warmup, repeats)
             forward_backward_ms = _median_ms(forward_backward, device, warmup, repeats)
-            _reset_peak(device)
+            reset_peak_memory(device)
             base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             forward_backward()
-            _sync(device)
-            peak = _peak_gib(device)
+            synchronize(device)
+            peak = peak_memory_gib(device)
             results[name] = {"forward_ms": forward_ms, "forward_backward_ms": forward_backward_ms,
                              "first_call_seconds": first_call,
                              "peak_extra_memory_gib": None if peak is None else peak - base / 2**30, **one_time}

@@ -17,14 +17,16 @@ parallel exploration) at turn boundaries and inside turns. Two profiles (``SWE_L
 Everything is deterministic from a seed; token arrays are built with NumPy and shared
 prefixes are shared arrays until the final concatenation.
 
-``demo_batch`` reads the small bundled node table ``harts/data/demo_rollouts.jsonl``,
-which is the output of ``make_demo_batch()`` written with :func:`harts.io.write_node_table`.
+The bundled demo node table (``harts/data/demo_rollouts.jsonl``, read by
+:func:`harts.inputs.demo_batch`) is the output of ``make_demo_batch()`` written with
+:func:`harts.io.write_node_table` (``write_demo_data``). The generators are registered as
+``harts.inputs`` presets (``swe-like``, ``no-sharing``, ``wide-tree``, ``grpo``) through the
+``harts.presets`` entry points in pyproject.toml.
 """
 
 from __future__ import annotations
 
 import bisect
-import importlib.resources
 import logging
 import os
 from pathlib import Path
@@ -32,16 +34,15 @@ from pathlib import Path
 import attrs
 import numpy as np
 
+import harts
 from harts.batch import MAX_TOKEN_ID, RolloutBatch, adopt
 from harts.errors import RolloutInputError
-from harts.io import SUFFIXES, read_node_table
+from harts.inputs import DEMO_RESOURCE, Preset
 
 logger = logging.getLogger(__name__)
 
 #: Every generated trajectory is at most this long (one microbatch of capacity 65,536 holds it).
 MAX_TRAJECTORY_TOKENS = 65_535
-DEMO_RESOURCE = "demo_rollouts.jsonl"
-PRESETS = ("demo", "swe-like", "no-sharing", "wide-tree", "grpo")
 
 PROMPT, ASSISTANT, TOOL = 0, 1, 2
 
@@ -611,89 +612,41 @@ def make_demo_batch(seed: int = 0) -> RolloutBatch:
     return batch
 
 
-def demo_batch() -> RolloutBatch:
-    """The bundled demo batch (``harts/data/demo_rollouts.jsonl``)."""
-    resource = importlib.resources.files("harts.data").joinpath(DEMO_RESOURCE)
-    with importlib.resources.as_file(resource) as path:
-        return read_node_table(path)
-
-
-# ----------------------------------------------------------------------------- input specs
+# ----------------------------------------------------------------------------- presets (harts.inputs)
 
 _SWE_LIKE_OPTIONS = {"seed": int, "scale": float, "vocab_size": int, "profile": str, "tasks": int}
-#: generated presets beside ``swe-like``: name -> (generator, its options)
-_SHAPE_PRESETS = {
-    "no-sharing": (no_sharing_step, {"trajectories": int, "min_tokens": int, "max_tokens": int, "seed": int, "vocab_size": int}),
-    "wide-tree": (wide_tree_step, {"leaves": int, "prompt_tokens": int, "min_tokens": int, "max_tokens": int, "seed": int,
-                                   "vocab_size": int}),
-    "grpo": (grpo_step, {"groups": int, "group_size": int, "min_prompt": int, "max_prompt": int, "min_tokens": int,
-                         "max_tokens": int, "seed": int, "vocab_size": int}),
-}
 
-
-def _parse_options(preset: str, text: str, allowed: dict[str, type]) -> dict[str, object]:
-    options: dict[str, object] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, separator, value = item.partition("=")
-        name = name.strip().replace("-", "_")
-        if not separator or name not in allowed:
-            known = ", ".join(allowed) or "none"
-            raise RolloutInputError(f"preset '{preset}': unknown option {item!r}; options: {known}")
-        try:
-            options[name] = allowed[name](value.strip())
-        except ValueError as error:
-            raise RolloutInputError(f"preset '{preset}': option '{name}' must be {allowed[name].__name__}, got {value!r}") from error
-    return options
-
-
-def resolve_input(spec: str | os.PathLike[str]) -> RolloutBatch:
-    """A batch from a node-table path (``.jsonl`` / ``.parquet``) or a preset.
-
-    Presets: ``demo``, ``swe-like`` and ``swe-like:seed=3,scale=0.1`` (options ``seed``,
-    ``scale``, ``vocab_size``, ``profile``: ``large-trees`` or ``calibrated``, ``tasks``), and the
-    planner shapes ``no-sharing``, ``wide-tree`` and ``grpo`` (options: the keyword arguments of
-    :func:`no_sharing_step`, :func:`wide_tree_step`, :func:`grpo_step`).
-    """
-    text = os.fspath(spec)
-    preset, _, option_text = text.partition(":")
-    if preset == "demo":
-        _parse_options("demo", option_text, {})
-        return demo_batch()
-    if preset == "swe-like":
-        return swe_like_step(**_parse_options("swe-like", option_text, _SWE_LIKE_OPTIONS))
-    if preset in _SHAPE_PRESETS:
-        generator, options = _SHAPE_PRESETS[preset]
-        return generator(**_parse_options(preset, option_text, options))
-    path = Path(text)
-    if path.suffix.lower() in SUFFIXES:
-        return read_node_table(path)
-    listing = ", ".join(PRESETS)
-    raise RolloutInputError(
-        f"input {text!r} is neither a node table ({', '.join(SUFFIXES)}) nor a preset; presets: {listing} "
-        "(e.g. 'swe-like:seed=3,scale=0.1')"
-    )
+#: The generated presets of ``harts.inputs.resolve_input``, registered as ``harts.presets`` entry points.
+SWE_LIKE_PRESET = Preset(swe_like_step, _SWE_LIKE_OPTIONS, "one SWE-like agentic step (profile: large-trees or calibrated)")
+NO_SHARING_PRESET = Preset(no_sharing_step, {"trajectories": int, "min_tokens": int, "max_tokens": int, "seed": int,
+                                             "vocab_size": int}, "trajectories that share no prefix")
+WIDE_TREE_PRESET = Preset(wide_tree_step, {"leaves": int, "prompt_tokens": int, "min_tokens": int, "max_tokens": int,
+                                           "seed": int, "vocab_size": int}, "one prompt with many leaves")
+GRPO_PRESET = Preset(grpo_step, {"groups": int, "group_size": int, "min_prompt": int, "max_prompt": int, "min_tokens": int,
+                                 "max_tokens": int, "seed": int, "vocab_size": int}, "GRPO groups of responses to one prompt")
 
 
 def write_demo_data(path: str | os.PathLike[str] | None = None) -> Path:
     """Regenerate the bundled demo node table from ``make_demo_batch()``."""
     from harts.io import write_node_table
 
-    target = Path(path) if path is not None else Path(__file__).parent / "data" / DEMO_RESOURCE
+    target = Path(path) if path is not None else Path(harts.__file__).parent / "data" / DEMO_RESOURCE
     write_node_table(make_demo_batch(), target)
     return target
 
 
 __all__ = [
     "MAX_TRAJECTORY_TOKENS",
-    "PRESETS",
+    "GRPO_PRESET",
+    "NO_SHARING_PRESET",
+    "SWE_LIKE_PRESET",
+    "WIDE_TREE_PRESET",
     "SweLikeShape",
-    "demo_batch",
     "grpo_advantages",
     "grpo_step",
     "no_sharing_step",
     "wide_tree_step",
     "make_demo_batch",
-    "resolve_input",
     "swe_like_step",
     "swe_like_steps",
 ]

@@ -44,7 +44,7 @@ def run_demo(
     """
     from harts.train import TrainConfig, Trainer
     from harts.train.loop import RunOptions, build_model, training_advantages
-    from harts.workloads import resolve_input
+    from harts.inputs import resolve_input
 
     batch = resolve_input(input)
     if all(len(tokens) < 2 for tokens in batch.tokens):

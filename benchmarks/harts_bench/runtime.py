@@ -17,7 +17,7 @@ the trees whose joint sharing is closest to X), compiles it with capacity ``--ca
 * ``sequence_at_a_time`` (ablation): the same plan with every input sequence of a round as
   its own linear-attention call (no round packing; same results as ``harts``);
 * ``node_at_a_time`` (ablation): Tree Training's linear-attention schedule on the same plan
-  (:class:`harts.runtime.ablation.NodeAtATimeView`): one chunkwise call per node of the
+  (:class:`harts_bench.ablation.NodeAtATimeView`): one chunkwise call per node of the
   microbatch's trie (maximal fork-free token run), issued parents first, each node starting
   from the exact final state of its parent's call, no packing and no replay, so the chunk
   grid restarts at every node start (slightly different rounding from the baseline; its mean
@@ -60,7 +60,7 @@ CPU smoke test::
 It prints progress and one final line ``headline-fla: compression=... speedup_vs_fla_baseline=...
 core_vs_fla_baseline=... speedup_vs_own_baseline=... cosine=... first_step_seconds=...``.
 
-``--attention-bench`` runs only the full-attention head-to-head of :mod:`harts.bench_attention`
+``--attention-bench`` runs only the full-attention head-to-head of :mod:`harts_bench.attention`
 (gathered ancestor KV + varlen FlashAttention vs a FlexAttention tree mask over one shared KV
 buffer) on the same workload and plan; ``--kernel-bench`` only the linear-attention kernels:
 stock fla against HARTS' call without exports, and with the exports of the plan's rounds.
@@ -72,7 +72,6 @@ import argparse
 import json
 import math
 import time
-import types
 from pathlib import Path
 
 import numpy as np
@@ -83,7 +82,9 @@ from harts.kernels import Dispatch
 from harts.kernels.linear_attention import chunk as fla_chunk
 from harts.rl import grpo_loss
 from harts.runtime import HybridConfig, HybridModel, log_probs_baseline, microbatch_log_probs
-from harts.runtime.ablation import (
+from harts.runtime.tree_view import TreeView
+from harts.runtime.view import BaselineView
+from harts_bench.ablation import (
     NodeAtATimeView,
     NoReplayView,
     TrieNodes,
@@ -91,15 +92,9 @@ from harts.runtime.ablation import (
     fork_positions,
     handoff_depths,
 )
-from harts.runtime.tree_view import TreeView
-from harts.runtime.view import BaselineView
-from harts.workloads import swe_like_step, trees_near_compression
-
-_STARTED = time.perf_counter()
-
-
-def say(message: str) -> None:
-    print(f"[{time.perf_counter() - _STARTED:8.1f}s] {message}", flush=True)
+from harts_bench.attention import format_table, run_attention_bench
+from harts_bench.common import STARTED, peak_memory_gib, reset_peak_memory, say, synchronize
+from harts_bench.workloads import swe_like_step, trees_near_compression
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -137,7 +132,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--kernel-tokens", type=int, default=32768)
     parser.add_argument("--attention-bench", action="store_true",
                         help="only time full attention per microbatch layout: gathered ancestor KV + varlen flash "
-                             "vs a FlexAttention tree mask over one shared KV buffer (harts.bench_attention)")
+                             "vs a FlexAttention tree mask over one shared KV buffer (harts_bench.attention)")
     parser.add_argument("--attention-repeats", type=int, default=10, help="timed calls per path in --attention-bench")
     parser.add_argument("--attention-microbatches", type=int, default=None,
                         help="time only the first N microbatches in --attention-bench (default: all)")
@@ -221,23 +216,6 @@ def build_model(args, device: torch.device) -> HybridModel:
     return model
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _peak_gib(device: torch.device) -> float | None:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return None
-
-
 # ----------------------------------------------------------------------------- one training pass
 
 
@@ -290,17 +268,17 @@ def measure(name, run, model, device, warmup, repeats):
         loss, lp = run(collect=i == 0)
         collected = lp if i == 0 else collected
     times = []
-    _reset_peak(device)
+    reset_peak_memory(device)
     for i in range(repeats):
         model.zero_grad(set_to_none=True)
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         loss, _ = run(collect=False)
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - start)
         say(f"{name}: pass {i + 1}/{repeats} {times[-1]:.3f} s (loss {loss:.6e})")
     return {"seconds": times, "mean_seconds": float(np.mean(times)), "min_seconds": float(np.min(times)),
-            "peak_memory_gib": _peak_gib(device), "loss": loss}, collected
+            "peak_memory_gib": peak_memory_gib(device), "loss": loss}, collected
 
 
 # ----------------------------------------------------------------------------- ablation kernels
@@ -419,7 +397,7 @@ def profile_pass(name, run, model) -> None:
     model.zero_grad(set_to_none=True)
     with profile(activities=activities) as prof:
         run()
-        _sync(model.device)
+        synchronize(model.device)
     sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
     say(f"profile of one {name} pass:\n" + prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
     model.zero_grad(set_to_none=True)
@@ -430,11 +408,11 @@ def profile_pass(name, run, model) -> None:
 
 def _time_ms(fn, device, repeats=5):
     fn()
-    _sync(device)
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(repeats):
         fn()
-    _sync(device)
+    synchronize(device)
     return (time.perf_counter() - start) / repeats * 1e3
 
 
@@ -545,8 +523,6 @@ def kernel_bench(args, device) -> dict:
 
 def attention_bench_main(args, device: torch.device) -> dict:
     """``--attention-bench``: the workload and plan of the main benchmark, full attention only."""
-    from harts.bench_attention import format_table, run_attention_bench
-
     config = build_config(args)
     _full, batch, plan, plan_seconds = build_workload(args, config)
     say(f"plan: {plan_seconds:.2f} s, {len(plan.module.microbatches)} microbatch(es), compression {plan.stats.get('compression', float('nan')):.3f}")
@@ -576,7 +552,7 @@ def first_training_step(model, plan, batch, kernels, device) -> None:
     harts_pass(model, plan, batch, kernels, len(batch.tokens))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.grad is not None], lr=1e-6, foreach=False)
     optimizer.step()
-    _sync(device)
+    synchronize(device)
     model.zero_grad(set_to_none=True)
     del optimizer
 
@@ -617,7 +593,7 @@ def main(argv=None) -> dict:
     num_trajectories = len(batch.tokens)
     say("first training step (HARTS: F/B/Grad over the plan + one optimizer step) ...")
     first_training_step(model, plan, batch, kernels, device)
-    first_step_seconds = time.perf_counter() - _STARTED
+    first_step_seconds = time.perf_counter() - STARTED
     say(f"first training step finished {first_step_seconds:.1f} s after start")
     stats = plan.stats
     layouts = [plan.layout(k) for k in range(len(plan.module.microbatches))]

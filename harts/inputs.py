@@ -1,0 +1,98 @@
+"""Rollout-batch inputs named on the command line: node tables and presets.
+
+``resolve_input(spec)`` turns what a user types after ``harts compile`` / ``harts train`` into a
+:class:`~harts.batch.RolloutBatch`:
+
+* a node table path (``.jsonl`` / ``.parquet``, :mod:`harts.io`);
+* ``demo``: the small node table bundled with the library (``harts/data/demo_rollouts.jsonl``);
+* a generated preset, ``name`` or ``name:option=value,...`` (``swe-like:seed=3,scale=0.1``).
+
+Generated presets are not part of the library: workload generators live with the benchmarks
+(``harts_bench.workloads``) and register here through the ``harts.presets`` entry-point group,
+each entry a :class:`Preset`. So the library never imports them, and a project can add its own
+presets the same way.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import os
+from collections.abc import Callable
+from functools import cache
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from harts.batch import RolloutBatch
+from harts.errors import RolloutInputError
+from harts.io import SUFFIXES, read_node_table
+
+__all__ = ["DEMO_RESOURCE", "ENTRY_POINT_GROUP", "Preset", "demo_batch", "presets", "resolve_input"]
+
+DEMO_RESOURCE = "demo_rollouts.jsonl"
+ENTRY_POINT_GROUP = "harts.presets"
+
+
+@attrs.frozen
+class Preset:
+    """A named generated batch: ``make(**options)``, each option converted by ``options[name]``."""
+
+    make: Callable[..., RolloutBatch]
+    options: dict[str, type] = attrs.field(factory=dict)
+    summary: str = ""
+
+    def build(self, name: str, option_text: str) -> RolloutBatch:
+        return self.make(**_parse_options(name, option_text, self.options))
+
+
+def demo_batch() -> RolloutBatch:
+    """The bundled demo batch (``harts/data/demo_rollouts.jsonl``)."""
+    resource = importlib.resources.files("harts.data").joinpath(DEMO_RESOURCE)
+    with importlib.resources.as_file(resource) as path:
+        return read_node_table(path)
+
+
+@cache
+def presets() -> dict[str, Preset]:
+    """Every preset: ``demo`` and the ones registered under the ``harts.presets`` entry points."""
+    found: dict[str, Preset] = {"demo": Preset(make=demo_batch, summary="the bundled demo batch")}
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        preset = entry.load()
+        if not isinstance(preset, Preset):
+            raise TypeError(f"entry point {entry.name!r} of {ENTRY_POINT_GROUP!r} is {type(preset).__name__}, not a harts.inputs.Preset")
+        found.setdefault(entry.name, preset)
+    return found
+
+
+def _parse_options(preset: str, text: str, allowed: dict[str, type]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, separator, value = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not separator or name not in allowed:
+            known = ", ".join(allowed) or "none"
+            raise RolloutInputError(f"preset '{preset}': unknown option {item!r}; options: {known}")
+        try:
+            options[name] = allowed[name](value.strip())
+        except ValueError as error:
+            raise RolloutInputError(f"preset '{preset}': option '{name}' must be {allowed[name].__name__}, got {value!r}") from error
+    return options
+
+
+def resolve_input(spec: str | os.PathLike[str]) -> RolloutBatch:
+    """A batch from a node-table path or a preset (see the module docstring)."""
+    text = os.fspath(spec)
+    name, _, option_text = text.partition(":")
+    known = presets()
+    if name in known:
+        return known[name].build(name, option_text)
+    path = Path(text)
+    if path.suffix.lower() in SUFFIXES:
+        return read_node_table(path)
+    hint = "" if len(known) > 1 else " (generated presets come with the benchmarks package harts_bench: pip install -e .)"
+    raise RolloutInputError(
+        f"input {text!r} is neither a node table ({', '.join(SUFFIXES)}) nor a preset; presets: {', '.join(known)}{hint} "
+        "(e.g. 'swe-like:seed=3,scale=0.1')"
+    )
