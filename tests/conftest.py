@@ -1,6 +1,4 @@
-import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,10 +18,3 @@ def single_thread():
     torch.set_num_threads(previous)
 
 
-def load_benchmark(filename: str):
-    """A script of ``benchmarks/`` imported as a module (the folder is not a package on the test path)."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / filename
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

@@ -24,7 +24,7 @@ The embedding keeps transformers' ``padding_idx`` (``pad_token_id``), so the pad
 gets no gradient in either. Precision: transformers runs norms, RoPE tables, attention
 softmax, routers and the whole linear-attention core in float32 even in a float64 model;
 HARTS keeps float64 throughout. In float64 the two therefore agree to float32 round-off only,
-and to float64 round-off once those downcasts are lifted (see ``tests/test_hf_models.py``).
+and to float64 round-off once those downcasts are lifted (see ``tests/runtime/test_hf_models.py``).
 
 transformers is imported only to read a local path (:func:`from_hf`) or to build a
 transformers config (:func:`to_hf_config`); nothing in :mod:`harts.runtime` imports it.

@@ -20,7 +20,7 @@ from harts.ir.verify import verify
 from harts.passes import PassContext
 from harts.passes.codegen import Codegen
 from harts.passes.manager import DumpIR, run_pipeline
-from tests.strategies import token_trees
+from tests.helpers import token_trees
 
 
 @st.composite

@@ -1,0 +1,108 @@
+"""prefix-compress: the compact trie, the map m, multiplicities and the O(1) prefix queries."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from harts.batch import RolloutBatch
+from harts.ir.prefix_index import PrefixIndex
+from harts.ir.verify import verify
+from harts.passes import PassContext, lower
+from harts.passes.prefix_compress import PrefixCompress, build_compact_trie
+from tests.helpers import token_trees
+
+
+def compress(trajectories):
+    batch = RolloutBatch.from_trajectories(trajectories)
+    module = PrefixCompress().run(lower(batch, capacity=10_000), PassContext(batch=batch))
+    verify(module)
+    return module
+
+
+def distinct_prefixes(trajectories):
+    return {tuple(t[: i + 1]) for t in trajectories for i in range(len(t))}
+
+
+@given(token_trees())
+def test_compact_tokens_equal_brute_force_trie_count(trajectories):
+    module = compress(trajectories)
+    assert module.trie.compact_tokens == len(distinct_prefixes(trajectories))
+
+
+@given(token_trees())
+def test_map_m_identifies_rows_by_prefix(trajectories):
+    trie = compress(trajectories).trie
+    row_of_prefix = {}
+    prefix_of_row = {}
+    for index, tokens in enumerate(trajectories):
+        rows = trie.rows(index)
+        assert len(rows) == len(tokens)
+        for position, row in enumerate(rows):
+            prefix = tuple(tokens[: position + 1])
+            assert row_of_prefix.setdefault(prefix, row) == row, "equal prefixes must share a row"
+            assert prefix_of_row.setdefault(row, prefix) == prefix, "different prefixes must not share a row"
+    assert sorted(prefix_of_row) == list(range(trie.compact_tokens))
+
+
+@given(token_trees())
+def test_multiplicities_sum_to_semantic_tokens(trajectories):
+    trie = compress(trajectories).trie
+    q_per_row = [0] * trie.compact_tokens
+    for node in trie.nodes:
+        for row in range(node.row, node.row + node.end - node.start):
+            q_per_row[row] = node.multiplicity
+    assert sum(q_per_row) == sum(len(t) for t in trajectories)
+    counted = [0] * trie.compact_tokens
+    for index in range(len(trajectories)):
+        for row in trie.rows(index):
+            counted[row] += 1
+    assert counted == q_per_row
+
+
+def lcp(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@given(token_trees(max_trajectories=8))
+def test_interval_work_and_pairwise_lcp_match_brute_force(trajectories):
+    trie = compress(trajectories).trie
+    index = PrefixIndex.from_trie(trie, [len(t) for t in trajectories])
+    ranked = [trajectories[i] for i in trie.order]
+    assert ranked == sorted(trajectories, key=lambda t: t), "order must be lexicographic"
+    for a, b in itertools.combinations_with_replacement(range(len(ranked)), 2):
+        assert index.interval_work(a, b) == len(distinct_prefixes(ranked[a : b + 1]))
+        assert index.lcp_ranks(a, b) == lcp(ranked[a], ranked[b])
+    for x, y in itertools.combinations(range(len(trajectories)), 2):
+        assert index.lcp_trajectories(x, y) == lcp(trajectories[x], trajectories[y])
+
+
+@given(token_trees(max_trajectories=8), st.randoms())
+def test_subset_work_is_eq5(trajectories, rng):
+    trie = compress(trajectories).trie
+    index = PrefixIndex.from_trie(trie, [len(t) for t in trajectories])
+    members = [i for i in range(len(trajectories)) if rng.random() < 0.5] or [0]
+    assert index.subset_work(members) == len(distinct_prefixes([trajectories[i] for i in members]))
+
+
+def test_split_cost_is_the_boundary_lcp():
+    trajectories = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [7]]
+    trie = build_compact_trie(RolloutBatch.from_trajectories(trajectories).tokens)
+    index = PrefixIndex.from_trie(trie, [len(t) for t in trajectories])
+    n = len(trajectories)
+    for t in range(1, n):
+        assert index.interval_work(0, t - 1) + index.interval_work(t, n - 1) - index.interval_work(0, n - 1) == trie.lcp[t]
+
+
+def test_prefix_trajectory_and_duplicates_share_rows():
+    trajectories = [[4, 5, 6, 7], [4, 5], [4, 5, 6, 7], [4, 5, 9]]
+    trie = compress(trajectories).trie
+    assert trie.rows(0) == trie.rows(2)
+    assert trie.rows(1) == trie.rows(0)[:2]
+    assert trie.compact_tokens == 5
+    assert trie.nodes[trie.leaf[1]].end == 2
