@@ -521,18 +521,19 @@ def demo_batch() -> RolloutBatch:
 _SWE_LIKE_OPTIONS = {"seed": int, "scale": float, "vocab_size": int, "profile": str}
 
 
-def _parse_options(preset: str, text: str, allowed: dict[str, type]) -> dict[str, object]:
+def _parse_options(preset: str, text: str, allowed: dict[str, type], *, what: str = "preset") -> dict[str, object]:
+    """``name=value,...`` options of a preset (or of another named thing: ``what``, e.g. an online task)."""
     options: dict[str, object] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, separator, value = item.partition("=")
         name = name.strip().replace("-", "_")
         if not separator or name not in allowed:
             known = ", ".join(allowed) or "none"
-            raise RolloutInputError(f"preset '{preset}': unknown option {item!r}; options: {known}")
+            raise RolloutInputError(f"{what} '{preset}': unknown option {item!r}; options: {known}")
         try:
             options[name] = allowed[name](value.strip())
         except ValueError as error:
-            raise RolloutInputError(f"preset '{preset}': option '{name}' must be {allowed[name].__name__}, got {value!r}") from error
+            raise RolloutInputError(f"{what} '{preset}': option '{name}' must be {allowed[name].__name__}, got {value!r}") from error
     return options
 
 
