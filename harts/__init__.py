@@ -5,7 +5,7 @@
     plan = harts.compile(batch, capacity=65536, dp_size=1, chunk_size=64)
     out = harts.runtime.log_probs(model, plan, batch)
 
-Subpackages that need torch (``runtime``, ``models``, ``rl``, ``kernels``, ``interop``, ``train``) load on first use.
+Subpackages that need torch (``runtime``, ``models``, ``rl``, ``kernels``, ``interop``, ``train``, ``tasks``) load on first use.
 """
 
 import importlib
@@ -25,7 +25,7 @@ from harts.errors import (
 from harts.options import DEFAULT_OPTIONS, CompileOptions
 from harts.plan import Plan, load_plan
 
-_LAZY_SUBMODULES = ("runtime", "models", "rl", "kernels", "inputs", "io", "codegen", "planner", "interop", "train")
+_LAZY_SUBMODULES = ("runtime", "models", "rl", "kernels", "inputs", "io", "codegen", "planner", "interop", "train", "tasks")
 
 
 def __getattr__(name: str):

@@ -256,18 +256,32 @@ def _records_table(records: list[dict], title: str) -> Table:
     return table
 
 
+def _print_online(run) -> None:
+    """Per-mode summary of an online task run, and the step-by-step differences when both modes ran."""
+    table = Table(title=f"harts train --task {run.task}", caption=run.model_description)
+    keys = [key for key in next(iter(run.summary.values()))]
+    table.add_column("figure")
+    for mode in run.modes:
+        table.add_column(mode, justify="right")
+    for key in keys:
+        table.add_row(key.replace("_", " "), *(_format(run.summary[mode][key]) for mode in run.modes))
+    Console(width=max(Console().width, 100)).print(table)
+    if run.comparison is not None:
+        print_stats(run.comparison, title="HARTS vs trajectory-wise baseline, step by step from one seed")
+
+
 @app.command("train")
 @_reports_errors
 def train_command(
     input: Optional[str] = typer.Argument(None, help="Node table (.jsonl/.parquet) or preset, as for `harts compile` (or 'input' in --config)."),
     preset: Optional[str] = typer.Option(None, "--preset", help="Model preset (default tiny); see harts.runtime.PRESETS."),
     hf: Optional[str] = typer.Option(None, "--hf", help="Local Hugging Face checkpoint (Qwen3-Next, Kimi Linear) instead of a preset."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="RL steps (default 3)."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="RL steps (default 3; with --task the task's, count: 100)."),
     epochs: Optional[int] = typer.Option(None, "--epochs", help="Optimizer steps per RL step, each over every microbatch (default 2)."),
     lr: Optional[float] = typer.Option(None, "--lr", help="AdamW learning rate (default 1e-4)."),
-    mode: Optional[str] = typer.Option(None, "--mode", help="harts (the compiled plan) or baseline (the same microbatches, every path expanded)."),
+    mode: Optional[str] = typer.Option(None, "--mode", help="harts (the compiled plan) or baseline (the same microbatches, every path expanded); with --task also both."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, float64 or bfloat16 (default: the model's)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the initial weights (default 0); the same seed gives the same start in both modes."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the initial weights (default 0; with --task also of the prompts and the sampling); the same seed gives the same start in both modes."),
     metrics: Optional[Path] = typer.Option(None, "--metrics", help="Append one JSON object per optimizer step to this .jsonl file."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the training curves to this PNG."),
     config: Optional[Path] = typer.Option(None, "--config", help="YAML file of these options (and TrainConfig fields); flags override it."),
@@ -280,17 +294,23 @@ def train_command(
     parallel: Optional[str] = typer.Option(None, "--parallel", help="Data-parallel wrapper under torchrun: ddp (default) or fsdp (FSDP2)."),
     recompute: Optional[bool] = typer.Option(None, "--recompute/--no-recompute", help="Full-layer activation recomputation (default off)."),
     save: Optional[Path] = typer.Option(None, "--save", help="Write the trained weights to this .safetensors file."),
+    task: Optional[str] = typer.Option(None, "--task", help="Online RL on a task instead of a fixed batch: the policy samples rollout trees each step (tasks: count; see harts.tasks)."),
 ) -> None:
-    """Train a model on a rollout batch for some RL steps (run under torchrun for data parallelism)."""
+    """Train a model on a rollout batch for some RL steps (run under torchrun for data parallelism), or online on --task."""
     from harts.train.loop import load_options, run_training
 
     flags = dict(
-        input=input, preset=preset, hf=hf, steps=steps, epochs=epochs, lr=lr, mode=mode, dtype=dtype, seed=seed,
+        input=input, task=task, preset=preset, hf=hf, steps=steps, epochs=epochs, lr=lr, mode=mode, dtype=dtype, seed=seed,
         metrics=None if metrics is None else str(metrics), plot=None if plot is None else str(plot), algorithm=algorithm,
         kl_coef=kl_coef, temperature=temperature, capacity=capacity, chunk_size=chunk_size, dp=dp, parallel=parallel,
         recompute=recompute, save=None if save is None else str(save),
     )
     options = load_options(flags, config)
+    if options.task is not None:
+        from harts.train.online import run_online
+
+        _print_online(run_online(options, console=console))
+        return
     run = run_training(options, console=console)
     if run.rank != 0:
         return

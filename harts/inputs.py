@@ -29,7 +29,7 @@ from harts.batch import RolloutBatch
 from harts.errors import RolloutInputError
 from harts.io import SUFFIXES, read_node_table
 
-__all__ = ["DEMO_RESOURCE", "ENTRY_POINT_GROUP", "Preset", "demo_batch", "presets", "resolve_input"]
+__all__ = ["DEMO_RESOURCE", "ENTRY_POINT_GROUP", "Preset", "demo_batch", "parse_options", "presets", "resolve_input"]
 
 DEMO_RESOURCE = "demo_rollouts.jsonl"
 ENTRY_POINT_GROUP = "harts.presets"
@@ -44,7 +44,7 @@ class Preset:
     summary: str = ""
 
     def build(self, name: str, option_text: str) -> RolloutBatch:
-        return self.make(**_parse_options(name, option_text, self.options))
+        return self.make(**parse_options(name, option_text, self.options))
 
 
 def demo_batch() -> RolloutBatch:
@@ -66,18 +66,19 @@ def presets() -> dict[str, Preset]:
     return found
 
 
-def _parse_options(preset: str, text: str, allowed: dict[str, type]) -> dict[str, Any]:
+def parse_options(owner: str, text: str, allowed: dict[str, type], *, what: str = "preset") -> dict[str, Any]:
+    """``option=value,...`` of a preset (or of another named thing, ``what``: e.g. an online RL task)."""
     options: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
-        name, separator, value = item.partition("=")
-        name = name.strip().replace("-", "_")
-        if not separator or name not in allowed:
+        option, separator, value = item.partition("=")
+        option = option.strip().replace("-", "_")
+        if not separator or option not in allowed:
             known = ", ".join(allowed) or "none"
-            raise RolloutInputError(f"preset '{preset}': unknown option {item!r}; options: {known}")
+            raise RolloutInputError(f"{what} '{owner}': unknown option {item!r}; options: {known}")
         try:
-            options[name] = allowed[name](value.strip())
+            options[option] = allowed[option](value.strip())
         except ValueError as error:
-            raise RolloutInputError(f"preset '{preset}': option '{name}' must be {allowed[name].__name__}, got {value!r}") from error
+            raise RolloutInputError(f"{what} '{owner}': option '{option}' must be {allowed[option].__name__}, got {value!r}") from error
     return options
 
 

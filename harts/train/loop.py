@@ -30,7 +30,7 @@ from harts.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CLI_TRAIN_DEFAULTS", "RunOptions", "TrainingRun", "build_model", "load_options", "run_training",
+__all__ = ["CLI_TRAIN_DEFAULTS", "RunOptions", "TrainingRun", "build_model", "load_options", "make_optimizer", "run_training",
            "save_weights", "training_advantages"]
 
 #: Where ``harts train`` departs from :class:`TrainConfig`'s defaults: a GRPO loop as RL
@@ -48,12 +48,15 @@ class RunOptions:
     """Everything ``harts train`` needs; ``train`` holds the step's :class:`TrainConfig`."""
 
     input: str | None = None
+    task: str | None = None  # an online RL task (harts.tasks) instead of a fixed batch: see harts.train.online
+    both_modes: bool = False  # --mode both (tasks only): HARTS and the baseline side by side from one seed
     preset: str = "tiny"
     hf: str | None = None
     model: Mapping[str, Any] = attrs.field(factory=dict)  # preset overrides, e.g. {"num_layers": 2}
     steps: int = attrs.field(default=3, validator=_positive)
     lr: float = attrs.field(default=1e-4, validator=_positive)
     weight_decay: float = 0.0
+    adam_eps: float | None = attrs.field(default=None, validator=_positive)  # None: torch's AdamW default (1e-8)
     dtype: str | None = None
     seed: int = 0
     capacity: int = attrs.field(default=65536, validator=_positive)
@@ -114,6 +117,20 @@ def load_options(flags: Mapping[str, Any], config: str | os.PathLike | None = No
         if value is not None:
             values[key] = value
             sources[key] = f"option --{key.replace('_', '-')}"
+    if values.get("mode") == "both":
+        if not values.get("task"):
+            raise TrainingError(f"{sources['mode']}: 'both' runs HARTS and the baseline side by side on an online task; give --task")
+        del values["mode"]
+        values["both_modes"] = True
+        sources["both_modes"] = sources.pop("mode")
+    if values.get("task"):
+        from harts.tasks import get_task
+
+        # the task's own defaults (steps, learning rate, dtype, ...) sit under the file and the flags
+        for key, value in get_task(str(values["task"])).defaults.items():
+            if key not in values:
+                values[key] = value
+                sources[key] = f"task {values['task']!r}: default '{key}'"
     train_fields = set(TrainConfig.field_names())
     unknown = sorted(set(values) - set(_RUN_FIELDS) - train_fields)
     if unknown:
@@ -141,6 +158,12 @@ def training_advantages(batch) -> Any:
         raise TrainingError("the batch has neither advantages ('advantages' / 'advantage') nor rewards ('reward') to train on")
     groups = batch.trajectory_fields.get("group_id", np.asarray(batch.tree_ids))
     return group_advantages(batch.trajectory_fields["reward"], groups)
+
+
+def make_optimizer(model, options: RunOptions) -> torch.optim.Optimizer:
+    """AdamW over the model's parameters with the run's learning rate, weight decay and eps."""
+    extra = {} if options.adam_eps is None else {"eps": options.adam_eps}
+    return torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=options.weight_decay, **extra)
 
 
 def build_model(options: RunOptions, batch, device: torch.device | str = "cpu"):
@@ -257,8 +280,10 @@ def run_training(options: RunOptions, *, console=None, progress: bool = True) ->
     import harts
     from harts.inputs import resolve_input
 
+    if options.task is not None:
+        raise TrainingError(f"task {options.task!r}: online tasks run through harts.train.online.run_online")
     if options.input is None:
-        raise TrainingError("no rollout batch: give INPUT (a node table or a preset) or 'input' in the config")
+        raise TrainingError("no rollout batch: give INPUT (a node table or a preset), 'input' in the config, or --task NAME")
     if options.parallel not in ("ddp", "fsdp"):
         raise TrainingError(f"option --parallel must be 'ddp' or 'fsdp', got {options.parallel!r}")
     group, device, created = init_from_environment()
@@ -275,7 +300,7 @@ def run_training(options: RunOptions, *, console=None, progress: bool = True) ->
         plan = harts.compile(batch, capacity=options.capacity, dp_size=dp_size, chunk_size=model.config.chunk_size,
                              progress=progress and group.rank == 0)
         wrapped = wrap_model(model, options.parallel, device) if group.distributed else model
-        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=options.lr, weight_decay=options.weight_decay)
+        optimizer = make_optimizer(wrapped, options)
         trainer = Trainer(wrapped, optimizer, options.train, reference_model=reference)
         if options.metrics is not None and group.rank == 0:
             metrics_file = MetricsFile(options.metrics)

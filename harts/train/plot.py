@@ -9,7 +9,7 @@ from typing import Any
 
 from harts.fsio import atomic_write_with
 
-__all__ = ["PLOTTED_METRICS", "plot_metrics"]
+__all__ = ["ONLINE_PANELS", "PLOTTED_METRICS", "plot_metrics"]
 
 #: (metric key, panel title) in panel order.
 PLOTTED_METRICS = (
@@ -21,9 +21,22 @@ PLOTTED_METRICS = (
     ("fbgrad_seconds", "F/B/Grad seconds"),
 )
 
+#: The panels of an online task run (``harts train --task``), against the RL step.
+ONLINE_PANELS = (
+    ("reward_mean", "mean reward of the step's rollouts"),
+    ("loss", "loss"),
+    ("entropy", "entropy"),
+)
 
-def plot_metrics(records: Sequence[dict[str, Any]], path: str | os.PathLike, *, title: str = "") -> Path:
-    """Draw the metrics of ``records`` (one dict per optimizer step) against the optimizer step; write a PNG atomically.
+#: Line styles per mode, so that two curves that coincide both stay visible.
+_STYLES = {"harts": dict(linestyle="-", linewidth=2.2), "baseline": dict(linestyle="--", linewidth=1.2, marker="o", markersize=2)}
+
+
+def plot_metrics(records: Sequence[dict[str, Any]], path: str | os.PathLike, *, title: str = "",
+                 panels: Sequence[tuple[str, str]] = PLOTTED_METRICS, x: str = "optimizer_step") -> Path:
+    """Draw ``panels`` (metric key, title) of ``records`` (one dict per optimizer step) against ``x``; write a PNG atomically.
+
+    With ``x="step"`` (one point per RL step) each step's first-epoch record is drawn.
 
     Uses matplotlib's object API with the Agg canvas, so no pyplot state or GUI backend is touched.
     """
@@ -31,18 +44,23 @@ def plot_metrics(records: Sequence[dict[str, Any]], path: str | os.PathLike, *, 
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    figure = Figure(figsize=(12, 6.5), layout="constrained")
+    columns = min(3, len(panels))
+    rows = -(-len(panels) // columns)
+    figure = Figure(figsize=(4 * columns, 3.25 * rows), layout="constrained")
     FigureCanvasAgg(figure)
-    axes = figure.subplots(2, 3).ravel()
+    axes = figure.subplots(rows, columns, squeeze=False).ravel()
     modes = sorted({record.get("mode", "harts") for record in records})
-    for ax, (key, label) in zip(axes, PLOTTED_METRICS):
+    if x == "step":
+        records = [r for r in records if r.get("epoch", 1) == 1]
+    for ax, (key, label) in zip(axes, panels):
         for mode in modes:
-            points = [(r["optimizer_step"], r[key]) for r in records if r.get("mode", "harts") == mode and r.get(key) is not None]
+            points = [(r[x], r[key]) for r in records if r.get("mode", "harts") == mode and r.get(key) is not None]
             if points:
                 xs, ys = zip(*points)
-                ax.plot(xs, ys, marker="o", markersize=3, label=mode)
+                style = _STYLES.get(mode, {}) if len(modes) > 1 else dict(marker="o", markersize=3)
+                ax.plot(xs, ys, label=mode, **style)
         ax.set_title(label)
-        ax.set_xlabel("optimizer step")
+        ax.set_xlabel("optimizer step" if x == "optimizer_step" else x.replace("_", " "))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         if len(modes) > 1:
