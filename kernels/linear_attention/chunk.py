@@ -293,7 +293,7 @@ def stock_chunk_kda(
         raise RuntimeError("the stock-fla baseline needs flash-linear-attention (pip install flash-linear-attention)")
     from fla.ops.kda import chunk_kda
 
-    bounds = check_linear_attention_inputs(q, k, v, log_decay, beta, cu_seqlens, chunk_size, initial_state)
+    check_linear_attention_inputs(q, k, v, log_decay, beta, cu_seqlens, chunk_size, initial_state)
     total, heads, key_dim = q.shape
     gate = log_decay if log_decay.dim() == 3 else log_decay.unsqueeze(-1).expand(total, heads, key_dim)
     o, final_state = chunk_kda(
