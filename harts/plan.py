@@ -308,10 +308,6 @@ def _atomic_write_file(path: Path, data: bytes) -> None:
 
 
 def _atomic_write_directory(path: Path, files: dict[str, bytes]) -> None:
-    if path.exists() or path.is_symlink():
-        why = _why_not_a_plan_directory(path)
-        if why is not None:
-            raise _refuse_foreign_target(path, why)
     try:
         replace_directory(path, files, is_ours=_is_plan_directory)
     except FileExistsError as error:

@@ -490,22 +490,20 @@ def kernel_bench(args, device) -> dict:
                      "plan_rounds": time_calls(kernel, plan_calls, name == "harts")}
             results[f"{gate}_{name}"] = entry
             say(f"kernel bench {gate} {name}: {entry}")
-        if device.type == "cuda":
-            try:
+        if gate == "gdn" and device.type == "cuda":
+            inputs, cu = packed[0][0], packed[0][1]
+
+            def gdn_forward():
                 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-                if gate == "gdn":
-                    inputs = packed[0][0]
+                with torch.no_grad():
+                    chunk_gated_delta_rule(*(t.unsqueeze(0) for t in inputs[:5]), scale=key_dim**-0.5,
+                                           initial_state=inputs[5], output_final_state=True, cu_seqlens=cu)
 
-                    def gdn_forward():
-                        with torch.no_grad():
-                            chunk_gated_delta_rule(*(t.unsqueeze(0) for t in inputs[:5]), scale=key_dim**-0.5,
-                                                   initial_state=inputs[5], output_final_state=True,
-                                                   cu_seqlens=packed[0][1])
-
-                    results["gdn_stock_gated_delta_rule_forward_ms"] = _time_ms(gdn_forward, device)
-                    say(f"kernel bench gdn stock chunk_gated_delta_rule forward: "
-                        f"{results['gdn_stock_gated_delta_rule_forward_ms']:.3f} ms")
+            try:
+                results["gdn_stock_gated_delta_rule_forward_ms"] = _time_ms(gdn_forward, device)
+                say(f"kernel bench gdn stock chunk_gated_delta_rule forward: "
+                    f"{results['gdn_stock_gated_delta_rule_forward_ms']:.3f} ms")
             except Exception as error:  # fla's GDN kernels refuse some Triton / GPU pairs
                 results["gdn_stock_gated_delta_rule_error"] = repr(error)[:300]
     for gate in ("kda", "gdn"):
