@@ -15,5 +15,5 @@ bench_packages = find_packages("benchmarks", include=["harts_bench", "harts_benc
 setup(
     packages=find_packages(include=["harts", "harts.*"]) + kernel_packages + bench_packages,
     package_dir={"harts.kernels": "kernels", "harts_bench": "benchmarks/harts_bench"},
-    package_data={"harts.data": ["*.jsonl"], "harts.kernels.linear_attention": ["configs/*/*.json"]},
+    package_data={"harts.data": ["*.jsonl"], "harts.kernels": ["fla_configs/*/*.json"]},
 )

@@ -2,8 +2,8 @@
 
 fla autotunes every kernel on first use (minutes on an H200), and again for every new dtype.
 A user's first training step should not pay that, so HARTS ships the tuned configs in
-``kernels/linear_attention/configs/<GPU>/`` and points fla at them (``FLA_CACHE_MODE=fuzzy``,
-``FLA_CONFIG_DIR``; see :func:`harts.kernels.linear_attention.chunk.configure_fla`). Fuzzy
+``kernels/fla_configs/<GPU>/`` and points fla at them (``FLA_CACHE_MODE=fuzzy``,
+``FLA_CONFIG_DIR``; see :func:`harts.kernels.fla_setup.configure_fla`). Fuzzy
 matching ignores numeric key entries (head counts, dims), so one tuned shape serves every
 shape of the same dtypes.
 
@@ -14,9 +14,14 @@ tuned kernel's configs as ``{kernel_name}.json`` in fla's config-file format. fp
 are derived from the bf16 ones with at most 2 pipeline stages (an fp32 tile takes twice the
 shared memory), so fp32 calls need no tuning either.
 
+The causal convolution (fla's ``causal_conv1d`` with HARTS' context as its initial state) is
+tuned at the model's conv shape in the same run; ``--only conv`` tunes and writes just those
+kernels, leaving the other files in ``--out`` as they are.
+
 Run on the GPU (fla installed, fresh process, no FLA_CACHE_MODE set)::
 
     python benchmarks/tune_fla.py --out configs_dir
+    python benchmarks/tune_fla.py --out configs_dir --only conv
 """
 
 from __future__ import annotations
@@ -73,11 +78,31 @@ def write_configs(out: Path) -> list[str]:
     return sorted(written)
 
 
+def tune_convolution(config, lengths: np.ndarray, started: float) -> None:
+    """Forward + backward of fla's causal convolution at the model's conv shape, with and without context."""
+    from harts.kernels.conv import fla as fla_conv
+
+    channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim \
+        + config.linear_num_value_heads * config.linear_value_head_dim
+    width = config.linear_conv_kernel_dim
+    cu = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), device="cuda")
+    x = torch.randn(int(lengths.sum()), channels, device="cuda").bfloat16().requires_grad_()
+    weight = (torch.randn(channels, width, device="cuda") / width).bfloat16().requires_grad_()
+    context = torch.randn(len(lengths), width - 1, channels, device="cuda").bfloat16().requires_grad_()
+    for name, kwargs in (("causal conv, context", {"context": context}), ("causal conv, no context", {})):
+        step = time.perf_counter()
+        fla_conv.causal_conv1d(x, weight, None, cu, activation="silu", **kwargs).float().square().sum().backward()
+        torch.cuda.synchronize()
+        print(f"[{time.perf_counter() - started:7.1f}s] tuned {name} in {time.perf_counter() - step:.1f} s", flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for the {kernel_name}.json files")
     parser.add_argument("--preset", default="ling-3.0-tiny")
     parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--only", choices=("all", "conv"), default="all",
+                        help="tune every kernel HARTS and the baseline run, or only the causal convolution")
     args = parser.parse_args(argv)
     if "FLA_CACHE_MODE" in os.environ:
         raise SystemExit("unset FLA_CACHE_MODE: this script must autotune")
@@ -101,6 +126,12 @@ def main(argv=None) -> None:
     inputs = [t.requires_grad_() for t in (q, k, v, g, beta, h0)]
     exports = [[1, 3], [2], [], [5], [], [], [1], [int(np.ceil(lengths[7] / config.chunk_size))]]
     started = time.perf_counter()
+    tune_convolution(config, lengths, started)
+    if args.only == "conv":
+        written = write_configs(Path(args.out))
+        print(f"wrote {len(written)} kernel configs to {args.out}: {', '.join(written)}", flush=True)
+        print(f"tuning_seconds={time.perf_counter() - started:.1f}", flush=True)
+        return
     for name, function, kwargs in (
         ("harts call with exports", chunk.chunk_linear_attention, {"initial_state": inputs[5], "export_chunks": exports}),
         ("stock chunk_kda, initial states", chunk.stock_chunk_kda, {"initial_state": inputs[5]}),

@@ -21,8 +21,10 @@ Fast paths, by operator:
   float64 and other chunk sizes run the reference, which is the exact answer for them.
 * ``attention``: :mod:`.attention.varlen` (varlen FlashAttention-2 on CUDA).
 * ``moe_experts``: :mod:`.moe.grouped` (grouped GEMMs on CUDA).
-* ``causal_conv1d``: the reference (one gather and one einsum; fast enough on GPU, and what
-  lets HARTS prepend each sequence's true-ancestor context).
+* ``causal_conv1d``: :mod:`.conv.fla`, flash-linear-attention's Triton kernel with each
+  sequence's true-ancestor context as its initial state, where HARTS ships tuned configs (CUDA,
+  bf16, no bias, silu: what the supported models run); everything else, CPU included, runs the
+  reference (one gather and one einsum).
 """
 
 from __future__ import annotations
@@ -87,6 +89,11 @@ class Dispatch:
     def uses_fast_attention(self, q: torch.Tensor) -> bool:
         return self.mode != "naive" and q.is_cuda
 
+    def uses_fast_conv(self, x: torch.Tensor, weight: torch.Tensor, bias, activation) -> bool:
+        from .conv import fla as fla_conv
+
+        return self.mode != "naive" and fla_conv.fla_conv_available(x, weight, bias, activation)
+
     def uses_grouped_experts(self, x: torch.Tensor) -> bool:
         return self.mode != "naive" and x.is_cuda
 
@@ -106,6 +113,10 @@ class Dispatch:
 
     def causal_conv1d(self, x, weight, bias, cu_seqlens, *, context=None, activation="silu"):
         """See :func:`harts.kernels.conv.naive.causal_conv1d`."""
+        if self.uses_fast_conv(x, weight, bias, activation):
+            from .conv import fla as fla_conv
+
+            return fla_conv.causal_conv1d(x, weight, bias, cu_seqlens, context=context, activation=activation)
         return naive.causal_conv1d(x, weight, bias, cu_seqlens, context=context, activation=activation)
 
     def attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal=True):

@@ -69,6 +69,7 @@ stock fla against HARTS' call without exports, and with the exports of the plan'
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import time
@@ -416,11 +417,10 @@ def _time_ms(fn, device, repeats=5):
     return (time.perf_counter() - start) / repeats * 1e3
 
 
-def _plan_round_calls(args, config):
+def _plan_round_calls(plan):
     """(cu_seqlens, export_chunks) of every linear-attention round of the benchmark's plan."""
     from harts.codegen.fx import round_schedule
 
-    _full, _batch, plan, _seconds = build_workload(args, config)
     calls = []
     for microbatch in range(len(plan.module.microbatches)):
         layout = plan.layout(microbatch)
@@ -445,7 +445,8 @@ def kernel_bench(args, device) -> dict:
     lengths = rng.integers(args.kernel_tokens // 16, args.kernel_tokens // 4, size=64)
     lengths = lengths[: max(1, int(np.searchsorted(np.cumsum(lengths), args.kernel_tokens)))]
     packed_bounds = np.concatenate([[0], np.cumsum(lengths)])
-    rounds = _plan_round_calls(args, config)
+    _full, batch, plan, _seconds = build_workload(args, config)
+    rounds = _plan_round_calls(plan)
     results = {"tokens": int(packed_bounds[-1]), "sequences": len(lengths), "heads": heads, "key_dim": key_dim,
                "value_dim": value_dim, "chunk_size": chunk, "plan_rounds": len(rounds),
                "plan_round_rows": [int(b[-1]) for b, _ in rounds]}
@@ -513,6 +514,65 @@ def kernel_bench(args, device) -> dict:
             results[f"{gate}_{case}_ratio_vs_stock"] = ratio
         print(f"kernel-fla: gate={gate} packed_fwd_bwd_ratio={results[f'{gate}_packed_ratio_vs_stock']:.3f} "
               f"plan_rounds_fwd_bwd_ratio={results[f'{gate}_plan_rounds_ratio_vs_stock']:.3f}", flush=True)
+    results["conv"] = conv_bench(args, config, plan, batch, device, dtype)
+    return results
+
+
+def conv_bench(args, config, plan, batch, device, dtype) -> dict:
+    """Causal convolution forward and forward+backward: the gather + einsum reference against
+    fla's ``causal_conv1d`` (context as its initial state), on the plan's conv programs (true-
+    ancestor context gathered per sequence) and on the baseline's trajectory-wise packed calls."""
+    from types import SimpleNamespace
+
+    from harts.codegen.fx import build_conv_program
+    from harts.kernels.conv import fla as fla_conv
+    from harts.kernels.conv import naive as naive_conv
+
+    channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim \
+        + config.linear_num_value_heads * config.linear_value_head_dim
+    width = config.linear_conv_kernel_dim
+    variants = {"reference": naive_conv.causal_conv1d}
+    if device.type == "cuda" and fla_conv.fla_conv_available(torch.zeros(1, 1, device=device, dtype=dtype),
+                                                           torch.zeros(1, width, device=device)):
+        variants["fla"] = fla_conv.causal_conv1d
+    generator = torch.Generator(device=device).manual_seed(0)
+    weight = (torch.randn(channels, width, generator=generator, device=device) / width).to(dtype).requires_grad_()
+    harts_rows = [plan.layout(m) for m in range(len(plan.module.microbatches))]
+    groups = baseline_microbatches(batch.lengths, args.capacity)
+    baseline_bounds = [np.concatenate([[0], np.cumsum([batch.lengths[i] for i in group])]) for group in groups]
+    results = {"channels": channels, "width": width, "harts_calls": len(harts_rows), "baseline_calls": len(groups)}
+    for name, kernel in variants.items():
+        namespace = SimpleNamespace(causal_conv1d=kernel)
+        programs = [(build_conv_program(layout, width, kernels=namespace).to(device), layout.num_rows)
+                    for layout in harts_rows]
+        calls = {
+            "harts": [(program, torch.randn(rows, channels, generator=generator, device=device).to(dtype))
+                      for program, rows in programs],
+            "baseline": [(functools.partial(kernel, cu_seqlens=torch.as_tensor(b, device=device)),
+                          torch.randn(int(b[-1]), channels, generator=generator, device=device).to(dtype))
+                         for b in baseline_bounds],
+        }
+        for case, case_calls in calls.items():
+            inputs = [(call, x.requires_grad_()) for call, x in case_calls]
+
+            def forward():
+                with torch.no_grad():
+                    for call, x in inputs:
+                        call(x, weight, None, activation="silu")
+
+            def forward_backward():
+                for call, x in inputs:
+                    call(x, weight, None, activation="silu").float().square().sum().backward()
+
+            entry = {"forward_ms": _time_ms(forward, device), "forward_backward_ms": _time_ms(forward_backward, device)}
+            results[f"{case}_{name}"] = entry
+            say(f"conv bench {case} {name}: {entry}")
+    if "fla" in variants:
+        for case in ("harts", "baseline"):
+            ratio = results[f"{case}_fla"]["forward_backward_ms"] / results[f"{case}_reference"]["forward_backward_ms"]
+            results[f"{case}_fla_vs_reference"] = ratio
+        print(f"kernel-conv: harts_fla_vs_reference={results['harts_fla_vs_reference']:.3f} "
+              f"baseline_fla_vs_reference={results['baseline_fla_vs_reference']:.3f}", flush=True)
     return results
 
 

@@ -25,23 +25,22 @@ recurrence, and fla's Gated DeltaNet backward refuses Triton < 3.7.1 on Hopper.
 Bounds: CUDA, chunk size 32 or 64 (fla's KDA kernels), head dims <= 256, q/k/v of one dtype
 (bf16, fp16 or fp32). :mod:`harts.kernels` dispatches here only for inputs inside them.
 
-Autotuning: fla tunes its kernels on first use (minutes). :func:`configure_fla` points fla at
-the configs shipped in ``configs/<GPU>/`` (tuned on that GPU by ``benchmarks/tune_fla.py``)
-before fla is first imported, unless the user set ``FLA_CACHE_MODE`` / ``FLA_CONFIG_DIR``.
+Autotuning: fla tunes its kernels on first use (minutes). :func:`harts.kernels.fla_setup.configure_fla`
+points fla at the configs shipped in ``kernels/fla_configs/<GPU>/`` (tuned on that GPU by
+``benchmarks/tune_fla.py``) before fla is first imported, unless the user set
+``FLA_CACHE_MODE`` / ``FLA_CONFIG_DIR``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import re
 from collections import OrderedDict
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..fla_setup import configure_fla
 from .naive import check_export_chunks, check_linear_attention_inputs
 from .state import MAX_HEAD_DIM, scan_backward, scan_forward
 
@@ -50,34 +49,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["SUPPORTED_CHUNK_SIZES", "chunk_linear_attention", "configure_fla", "fla_available", "stock_chunk_kda"]
 
 SUPPORTED_CHUNK_SIZES = (32, 64)
-CONFIG_ROOT = Path(__file__).resolve().parent / "configs"
 _LAYOUT_CACHE_SIZE = 128
 _fla = None
-
-
-def _gpu_config_name(device: torch.device) -> str:
-    return re.sub(r"[^0-9A-Za-z]+", "_", torch.cuda.get_device_name(device)).strip("_") or "unknown_gpu"
-
-
-def configure_fla(device: torch.device | None = None) -> Path | None:
-    """Point fla at HARTS' pinned kernel configs for this GPU (call before fla is imported).
-
-    Returns the config directory used, or None when the user configured fla already or no
-    configs ship for this GPU (fla then autotunes as usual).
-    """
-    if "FLA_CACHE_MODE" in os.environ or "FLA_CONFIG_DIR" in os.environ:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    directory = CONFIG_ROOT / _gpu_config_name(device or torch.device("cuda"))
-    if not directory.is_dir():
-        logger.info("no pinned fla configs for %s; fla will autotune on first use", directory.name)
-        return None
-    # fuzzy: a config tuned for one shape serves every shape of the same dtypes; an untuned
-    # dtype still autotunes rather than running a config that may not fit it
-    os.environ["FLA_CACHE_MODE"] = "fuzzy"
-    os.environ["FLA_CONFIG_DIR"] = str(directory)
-    return directory
 
 
 def _load_fla():

@@ -54,3 +54,10 @@ def test_dispatch_has_the_reference_signatures(name):
     reference = inspect.signature(getattr(naive, name))
     assert list(inspect.signature(getattr(dispatch, name)).parameters) == list(reference.parameters)
     assert list(inspect.signature(getattr(Dispatch("naive"), name)).parameters) == list(reference.parameters)
+
+
+def test_convolution_runs_the_reference_off_the_gpu_and_in_float64():
+    x, weight = torch.randn(5, 8), torch.randn(8, 4)
+    for mode in ("auto", "fast", "naive"):
+        assert not Dispatch(mode).uses_fast_conv(x, weight, None, "silu")
+        assert not Dispatch(mode).uses_fast_conv(x.double(), weight.double(), None, "silu")

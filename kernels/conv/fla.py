@@ -1,0 +1,96 @@
+"""Packed varlen causal convolution on flash-linear-attention's Triton kernel (GPU).
+
+Same signature and result as :func:`harts.kernels.conv.naive.causal_conv1d`. fla's
+``causal_conv1d`` takes one cache per sequence as ``initial_state`` [N, D, W]: slot ``W-1``
+holds the input just before the sequence, slot ``1`` the oldest one its window reaches, and
+slot ``0`` is never read by the forward. HARTS' context [N, W-1, D] (oldest first) is exactly
+slots ``1 .. W-1`` transposed, so it is placed there behind one zero column; fla's backward
+returns the gradient of that cache, which flows back to the ancestor rows the context was
+gathered from.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import sequence_bounds
+from ..fla_setup import configure_fla
+
+__all__ = ["causal_conv1d", "fla_conv_available"]
+
+# fla keys its autotuning on the dtypes of every tensor argument, so each combination of dtype,
+# bias and activation is its own entry; HARTS ships tuned entries (kernels/fla_configs) only for
+# what the supported models run: bf16, no conv bias, silu (Kimi Linear, Qwen3-Next, Ling). On an
+# H200 (Triton 3.6, fla 0.6.0) an untuned combination autotunes, and autotuning the width-4
+# backward with a bias never returned; float32 with a context hung the same way. Everything
+# outside the tuned set therefore runs the reference.
+_DTYPES = (torch.bfloat16,)
+_TUNED_ACTIVATIONS = ("silu", "swish")
+_fla_causal_conv1d = None
+
+
+def _load():
+    global _fla_causal_conv1d
+    if _fla_causal_conv1d is None:
+        configure_fla()
+        try:
+            from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d
+        except ImportError:
+            _fla_causal_conv1d = False
+        else:
+            _fla_causal_conv1d = fla_causal_conv1d
+    return _fla_causal_conv1d or None
+
+
+def fla_conv_available(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       activation: str | None = "silu") -> bool:
+    """Whether fla's kernel runs these inputs with a tuned config (CUDA, bf16, no bias, silu, fla installed)."""
+    return (
+        x.is_cuda
+        and x.dim() == 2
+        and x.dtype in _DTYPES
+        and weight.dim() == 2
+        and weight.shape[1] >= 2
+        and bias is None
+        and activation in _TUNED_ACTIVATIONS
+        and _load() is not None
+    )
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    *,
+    context: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """See :func:`harts.kernels.conv.naive.causal_conv1d`; x [T, D], weight [D, W], context [N, W-1, D]."""
+    fla_causal_conv1d = _load()
+    if fla_causal_conv1d is None:
+        raise RuntimeError("flash-linear-attention is not installed: pip install 'harts[gpu]'")
+    total, channels = x.shape
+    width = weight.shape[1]
+    bounds = sequence_bounds(cu_seqlens, total, "cu_seqlens")
+    num_sequences = len(bounds) - 1
+    initial_state = None
+    if context is not None:
+        if tuple(context.shape) != (num_sequences, width - 1, channels):
+            raise ValueError(
+                f"context must be [N, W-1, D] = [{num_sequences}, {width - 1}, {channels}], got {tuple(context.shape)}"
+            )
+        unread_slot = context.new_zeros(num_sequences, channels, 1)
+        initial_state = torch.cat([unread_slot, context.to(x.dtype).transpose(1, 2)], dim=2)  # [N, D, W]
+    cu = cu_seqlens.to(device=x.device, dtype=torch.int32) if torch.is_tensor(cu_seqlens) else \
+        torch.as_tensor(bounds, device=x.device, dtype=torch.int32)
+    y, _ = fla_causal_conv1d(
+        x.unsqueeze(0),  # [1, T, D]
+        weight=weight.to(x.dtype).contiguous(),
+        bias=None if bias is None else bias.to(x.dtype),
+        initial_state=initial_state,
+        activation=None if activation == "identity" else activation,
+        cu_seqlens=cu,
+        cu_seqlens_cpu=torch.as_tensor(bounds, dtype=torch.int32),
+    )
+    return y.squeeze(0)
