@@ -23,256 +23,35 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import numbers
-import sys
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 import numpy as np
 
+from harts import nodetable
 from harts.errors import RolloutInputError
+from harts.fields import (
+    FINITE_FIELDS,
+    PER_TOKEN_FIELDS,
+    ROUTED_EXPERTS,
+    TOKEN_FIELD_KINDS,
+    TRAJECTORY_FIELD_KINDS,
+    adopt,
+    as_array,
+    check_field_values,
+    integer_array,
+    owned,
+    per_trajectory_entries,
+    routed_experts_field,
+    routed_experts_fields,
+    routed_experts_key,
+    scalar_field_array,
+    token_id_array,
+    trajectory_token_array,
+)
 
-MAX_TOKEN_ID = 2**32 - 1
 _INT64 = np.iinfo(np.int64)
-
-#: Field names a user may omit; ``loss_mask`` defaults to all ones.
-DEFAULT_TOKEN_FIELDS = ("loss_mask",)
-#: Fields that only make sense per token: one scalar per trajectory is refused, never broadcast.
-PER_TOKEN_FIELDS = ("loss_mask",)
-#: Mask fields: every value finite and in [0, 1] (floats anywhere in the range; integers 0 or 1; booleans).
-MASK_FIELDS = ("loss_mask",)
-#: Fields a loss multiplies by: every value must be finite (a NaN would make the whole loss NaN).
-FINITE_FIELDS = ("loss_mask", "advantages", "advantage", "reward")
-#: NumPy kinds a per-token field may have (what node tables store and read back).
-TOKEN_FIELD_KINDS = "biuf"
-#: NumPy kinds a per-trajectory field may have.
-TRAJECTORY_FIELD_KINDS = "biufU"
-_KIND_NAMES = {"b": "booleans", "i": "integers", "u": "integers", "f": "floats", "U": "strings"}
-
-
-def _tensor_as_array(value: Any) -> np.ndarray | None:
-    """A torch tensor as a NumPy array (detached, on the CPU), or None when ``value`` is no tensor.
-
-    Checked through ``sys.modules`` so that plain NumPy use never imports torch. Floating types
-    NumPy lacks (bfloat16, float8) widen exactly to float32.
-    """
-    torch = sys.modules.get("torch")
-    if torch is None or not isinstance(value, torch.Tensor):
-        return None
-    tensor = value.detach().cpu()
-    if tensor.is_floating_point() and tensor.dtype not in (torch.float16, torch.float32, torch.float64):
-        tensor = tensor.to(torch.float32)
-    return tensor.numpy()
-
-
-def as_array(value: Any, where: str) -> np.ndarray:
-    """``value`` (a list, tuple, NumPy array, torch tensor or scalar) as a NumPy array, or a clear error.
-
-    Nested lists of different lengths (ragged input) and objects that are not numbers or
-    strings are refused, naming ``where``.
-    """
-    tensor = _tensor_as_array(value)
-    if tensor is not None:
-        return tensor
-    if isinstance(value, np.ndarray):
-        return value
-    if isinstance(value, (list, tuple)):
-        converted = [_tensor_as_array(entry) for entry in value]
-        if any(entry is not None for entry in converted):
-            value = [entry if entry is not None else original for entry, original in zip(converted, value)]
-        try:
-            array = np.asarray(value)
-        except (ValueError, TypeError, OverflowError):
-            array = None
-        if array is None or (array.dtype == object and any(isinstance(entry, (list, tuple, np.ndarray)) for entry in value)):
-            raise RolloutInputError(f"{where} is ragged: its entries are lists of different lengths or mix lists and scalars")
-        return array
-    if isinstance(value, (numbers.Number, np.generic, str)) or value is None:
-        return np.asarray(value)
-    raise RolloutInputError(f"{where} must be a list, a NumPy array or a torch tensor, got {type(value).__name__}")
-
-
-def _first_bad(entries: list, test) -> int:
-    return next((i for i, v in enumerate(entries) if test(v)), 0)
-
-
-def integer_array(values: Any, where: str, minimum: int, maximum: int, what: str = "an integer", *,
-                  below: str | None = None, above: str | None = None, items: str = "") -> np.ndarray:
-    """``values`` as a flat int64 array whose entries lie in ``[minimum, maximum]``, or an error naming ``where``
-    and the entry (``below`` / ``above``: how to say that an entry is out of range; ``items``: what the list holds)."""
-    below = below or f"below the smallest allowed {minimum}"
-    above = above or f"above the largest allowed {maximum}"
-    array = as_array(values, where)
-    if array.ndim != 1:
-        raise RolloutInputError(f"{where} must be a flat list{items}, got shape {array.shape}")
-    if array.size == 0:
-        return np.empty(0, dtype=np.int64)
-    if array.dtype.kind not in "iu":
-        # the caller's own entries: NumPy would show an int beside a float as a float
-        entries = list(values) if isinstance(values, (list, tuple)) and len(values) == array.size else array.tolist()
-        bad = _first_bad(entries, lambda v: isinstance(v, bool) or not isinstance(v, numbers.Integral))
-        value = entries[bad]
-        if isinstance(value, numbers.Integral) and not isinstance(value, bool):  # integers too large for NumPy
-            bad = _first_bad(entries, lambda v: not minimum <= v <= maximum)
-            raise RolloutInputError(f"{where} entry {bad} is {entries[bad]}, {below if entries[bad] < minimum else above}")
-        raise RolloutInputError(f"{where} entry {bad} is {value!r}, not {what}")
-    if array.min() < minimum:
-        bad = int(np.flatnonzero(array < minimum)[0])
-        raise RolloutInputError(f"{where} entry {bad} is {int(array[bad])}, {below}")
-    if array.max() > maximum:
-        bad = int(np.flatnonzero(array > maximum)[0])
-        raise RolloutInputError(f"{where} entry {bad} is {int(array[bad])}, {above}")
-    return array.astype(np.int64, copy=False)
-
-#: Prefix of the per-token fields holding replayed expert ids (see the module docstring).
-ROUTED_EXPERTS = "routed_experts"
-
-
-def routed_experts_field(layer: int, slot: int) -> str:
-    """Name of the per-token field holding the ``slot``-th routed expert of MoE layer ``layer``."""
-    return f"{ROUTED_EXPERTS}.{layer}.{slot}"
-
-
-def _routed_experts_key(name: str) -> tuple[int, int] | None:
-    parts = name.split(".")
-    if len(parts) == 3 and parts[0] == ROUTED_EXPERTS and parts[1].isdigit() and parts[2].isdigit():
-        return int(parts[1]), int(parts[2])
-    return None
-
-
-def _routed_experts_fields(values: Any, count: int) -> dict[str, tuple[np.ndarray, ...]]:
-    """Split one ``[len, layers, top_k]`` integer array per trajectory into per-token fields."""
-    arrays = _per_trajectory_entries(values, ROUTED_EXPERTS, count)
-    shape = None
-    for index, array in enumerate(arrays):
-        if array.ndim != 3 or array.dtype.kind not in "iu":
-            raise RolloutInputError(
-                f"trajectory {index}: field '{ROUTED_EXPERTS}' must be an integer array [len, layers, top_k], "
-                f"got {array.dtype} of shape {array.shape}"
-            )
-        if shape is None:
-            shape = array.shape[1:]
-        elif array.shape[1:] != shape:
-            raise RolloutInputError(
-                f"trajectory {index}: field '{ROUTED_EXPERTS}' has [layers, top_k] = {list(array.shape[1:])}, "
-                f"trajectory 0 has {list(shape)}"
-            )
-    layers, top_k = shape if shape is not None else (0, 0)
-    return {
-        routed_experts_field(layer, slot): tuple(np.ascontiguousarray(a[:, layer, slot], dtype=np.int64) for a in arrays)
-        for layer in range(layers)
-        for slot in range(top_k)
-    }
-
-
-def token_id_array(values: Any, where: str) -> np.ndarray:
-    """``values`` as an int64 array of token ids, or an error naming ``where`` and the bad entry.
-
-    ``where`` names the place, e.g. ``"trajectory 3: field 'tokens'"``.
-    """
-    return integer_array(values, where, 0, MAX_TOKEN_ID, "an integer token id", below="token ids must be >= 0",
-                         above=f"above the largest id {MAX_TOKEN_ID}", items=" of token ids")
-
-
-def _as_token_array(values: Any, trajectory: int) -> np.ndarray:
-    array = token_id_array(values, f"trajectory {trajectory}: field 'tokens'")
-    if array.size == 0:
-        raise RolloutInputError(f"trajectory {trajectory}: field 'tokens' is empty; a trajectory needs at least one token")
-    return array
-
-
-#: the arrays handed to batches through :func:`adopt`, by id (entries vanish with their arrays)
-_ADOPTED: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
-
-
-def adopt(array: np.ndarray) -> np.ndarray:
-    """Mark a freshly built array as a batch's own (read-only, not copied).
-
-    Only for arrays nobody else holds: readers and generators use it to hand over what they
-    built without a second copy (a view is copied, since its base may be written through).
-    Anything else a batch receives is copied.
-    """
-    if array.base is not None:
-        array = np.array(array, copy=True)
-    array.flags.writeable = False
-    _ADOPTED[id(array)] = array
-    return array
-
-
-def _is_immutable(array: np.ndarray) -> bool:
-    """True for an adopted array or a view of one: read-only, and no caller holds a writable alias.
-
-    A read-only flag alone is not enough: the caller may own the array and switch it back.
-    """
-    while array.base is not None:
-        if not isinstance(array.base, np.ndarray):
-            return False  # a buffer someone else owns (bytes, mmap, a torch tensor)
-        array = array.base
-    return _ADOPTED.get(id(array)) is array and not array.flags.writeable
-
-
-def _owned(array: np.ndarray) -> np.ndarray:
-    """A read-only array in native byte order that no caller can change: ``array`` itself when it is one, else a copy."""
-    if not array.dtype.isnative:
-        array = array.astype(array.dtype.newbyteorder("="))
-    elif _is_immutable(array):
-        return array
-    else:
-        array = np.array(array, copy=True)
-    return adopt(array)
-
-
-def _per_trajectory_entries(value: Any, name: str, count: int | None) -> list[np.ndarray]:
-    """A field (or the token lists) split into one NumPy array per trajectory."""
-    where = f"field '{name}'"
-    tensor = _tensor_as_array(value)
-    if tensor is not None:
-        value = tensor
-    if isinstance(value, np.ndarray):
-        if value.ndim == 0:
-            raise RolloutInputError(f"{where}: expected one entry per trajectory, got a single value {value.item()!r}")
-        entries = list(value) if value.dtype != object else list(value.tolist())
-    elif isinstance(value, (list, tuple)):
-        entries = list(value)
-    else:
-        expected = "a list with one entry per trajectory" + (f" ({count})" if count is not None else "")
-        raise RolloutInputError(f"{where}: expected {expected}, got {type(value).__name__}")
-    if count is not None and len(entries) != count:
-        raise RolloutInputError(f"{where}: expected one entry per trajectory ({count}), got {len(entries)}")
-    return [as_array(entry, f"trajectory {index}: {where}") for index, entry in enumerate(entries)]
-
-
-def _scalar_array(entries: list[np.ndarray], name: str) -> np.ndarray:
-    """One value per trajectory from 0-d arrays; kinds may not mix (strings with numbers, booleans with numbers)."""
-    groups = {"b" if e.dtype.kind == "b" else "n" if e.dtype.kind in "iuf" else e.dtype.kind for e in entries}
-    bad = [e.dtype.kind for e in entries if e.dtype.kind not in TRAJECTORY_FIELD_KINDS]
-    if bad:
-        index = next(i for i, e in enumerate(entries) if e.dtype.kind not in TRAJECTORY_FIELD_KINDS)
-        raise RolloutInputError(
-            f"trajectory {index}: field '{name}' is {entries[index].item()!r}; per-trajectory values must be numbers, booleans or strings"
-        )
-    if len(groups) > 1:
-        kinds = sorted({_KIND_NAMES[e.dtype.kind] for e in entries})
-        raise RolloutInputError(f"field '{name}': per-trajectory values mix {' and '.join(kinds)}; give values of one kind")
-    return np.stack(entries)
-
-
-def check_field_values(name: str, values: np.ndarray, where: str) -> None:
-    """Masks (:data:`MASK_FIELDS`) finite and in [0, 1]; loss factors (:data:`FINITE_FIELDS`) finite."""
-    if values.dtype.kind == "b" or values.size == 0:
-        return
-    if name in FINITE_FIELDS and values.dtype.kind == "f":
-        finite = np.isfinite(values)
-        if not finite.all():
-            bad = int(np.flatnonzero(~finite)[0])
-            raise RolloutInputError(f"{where}: field '{name}' entry {bad} is {values[bad]}; its values must be finite")
-    if name in MASK_FIELDS:
-        outside = (values < 0) | (values > 1)
-        if outside.any():
-            bad = int(np.flatnonzero(outside)[0])
-            raise RolloutInputError(f"{where}: field '{name}' entry {bad} is {values[bad]}; mask values must lie in [0, 1]")
 
 
 @attrs.frozen(eq=False, slots=False)
@@ -298,16 +77,16 @@ class RolloutBatch:
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.tokens, (tuple, list)):
             raise RolloutInputError("field 'tokens': expected a tuple of token arrays, one per trajectory")
-        tokens = tuple(_owned(token_id_array(t, f"trajectory {i}: field 'tokens'")) for i, t in enumerate(self.tokens))
+        tokens = tuple(owned(token_id_array(t, f"trajectory {i}: field 'tokens'")) for i, t in enumerate(self.tokens))
         token_fields = {}
         for name, per_trajectory in dict(self.token_fields).items():
-            token_fields[name] = tuple(_owned(as_array(v, f"trajectory {i}: field '{name}'")) for i, v in enumerate(per_trajectory))
+            token_fields[name] = tuple(owned(as_array(v, f"trajectory {i}: field '{name}'")) for i, v in enumerate(per_trajectory))
         if "loss_mask" not in token_fields:
             token_fields["loss_mask"] = tuple(adopt(np.ones(len(t), dtype=np.float32)) for t in tokens)
-        trajectory_fields = {name: _owned(as_array(v, f"field '{name}'")) for name, v in dict(self.trajectory_fields).items()}
+        trajectory_fields = {name: owned(as_array(v, f"field '{name}'")) for name, v in dict(self.trajectory_fields).items()}
         tree_ids = None
         if self.tree_ids is not None:
-            tree_ids = _owned(integer_array(self.tree_ids, "field 'tree_ids'", int(_INT64.min), int(_INT64.max), "an integer tree id"))
+            tree_ids = owned(integer_array(self.tree_ids, "field 'tree_ids'", int(_INT64.min), int(_INT64.max), "an integer tree id"))
         object.__setattr__(self, "tokens", tokens)
         object.__setattr__(self, "token_fields", token_fields)
         object.__setattr__(self, "trajectory_fields", trajectory_fields)
@@ -334,7 +113,7 @@ class RolloutBatch:
         """
         if isinstance(token_lists, (str, bytes)):
             raise RolloutInputError("field 'tokens': expected a list of token lists, one per trajectory")
-        entries = _per_trajectory_entries(token_lists, "tokens", None)
+        entries = per_trajectory_entries(token_lists, "tokens", None)
         if len(entries) == 0:
             raise RolloutInputError("field 'tokens': the batch holds no trajectories")
         if entries[0].ndim == 0:
@@ -342,18 +121,18 @@ class RolloutBatch:
                 "field 'tokens': expected a list of token lists, one per trajectory, got a flat list of "
                 f"{'token ids' if entries[0].dtype.kind in 'iu' else 'values'} (for one trajectory, wrap it: [tokens])"
             )
-        tokens = tuple(adopt(np.array(_as_token_array(values, index), dtype=np.int64)) for index, values in enumerate(entries))
+        tokens = tuple(adopt(np.array(trajectory_token_array(values, index), dtype=np.int64)) for index, values in enumerate(entries))
         if routed_experts is not None:
             clash = sorted(name for name in fields if name.startswith(ROUTED_EXPERTS + "."))
             if clash:
                 raise RolloutInputError(f"field '{clash[0]}': give routed experts either as routed_experts= or as fields, not both")
-            fields = {**fields, **_routed_experts_fields(routed_experts, len(tokens))}
+            fields = {**fields, **routed_experts_fields(routed_experts, len(tokens))}
         token_fields: dict[str, tuple[np.ndarray, ...]] = {}
         trajectory_fields: dict[str, np.ndarray] = {}
         for name, value in fields.items():
             if value is None:
                 continue
-            per_trajectory = _per_trajectory_entries(value, name, len(tokens))
+            per_trajectory = per_trajectory_entries(value, name, len(tokens))
             dims = [entry.ndim for entry in per_trajectory]
             deep = next((i for i, d in enumerate(dims) if d > 1), None)
             if deep is not None:
@@ -368,7 +147,7 @@ class RolloutBatch:
                         f"field '{name}' is per-token: give one list with a value per token of each trajectory, not one "
                         f"scalar per trajectory (to mask a whole trajectory, repeat its value: [m] * len(tokens))"
                     )
-                trajectory_fields[name] = adopt(_scalar_array(per_trajectory, name))
+                trajectory_fields[name] = adopt(scalar_field_array(per_trajectory, name))
             else:
                 bad = next(i for i, d in enumerate(dims) if d != dims[0])
                 raise RolloutInputError(
@@ -381,7 +160,7 @@ class RolloutBatch:
                 [tree_of_first_token.setdefault(int(t[0]), len(tree_of_first_token)) for t in tokens], dtype=np.int64
             )
         else:
-            entries = _per_trajectory_entries(tree_ids, "tree_ids", len(tokens))
+            entries = per_trajectory_entries(tree_ids, "tree_ids", len(tokens))
             if any(entry.ndim != 0 for entry in entries):
                 bad = next(i for i, entry in enumerate(entries) if entry.ndim != 0)
                 raise RolloutInputError(f"trajectory {bad}: field 'tree_ids' must be one integer per trajectory")
@@ -425,16 +204,25 @@ class RolloutBatch:
 
     @classmethod
     def read(cls, path: Any) -> "RolloutBatch":
-        """Read a node table (``.jsonl`` or ``.parquet``); see :mod:`harts.io`."""
-        from harts.io import read_node_table
+        """Read a node table (``.jsonl`` or ``.parquet``); see :mod:`harts.nodetable` for the format."""
+        return nodetable.read_node_table(path, cls._from_node_table)
 
-        return read_node_table(path)
+    @classmethod
+    def from_node_table_records(cls, records: Any) -> "RolloutBatch":
+        """A batch from in-memory node-table rows (dicts with a ``kind``; see :mod:`harts.nodetable`)."""
+        return nodetable.read_node_table_records(records, cls._from_node_table)
+
+    @classmethod
+    def _from_node_table(cls, contents: nodetable.NodeTableContents) -> "RolloutBatch":
+        batch = cls(tokens=contents.tokens, token_fields=contents.token_fields,
+                    trajectory_fields=contents.trajectory_fields, tree_ids=contents.tree_ids)
+        if contents.content_hash is not None and contents.content_hash != batch.content_hash():
+            raise nodetable.content_hash_mismatch()
+        return batch
 
     def write(self, path: Any) -> None:
-        """Write this batch as a node table (``.jsonl`` or ``.parquet``), atomically; see :mod:`harts.io`."""
-        from harts.io import write_node_table
-
-        write_node_table(self, path)
+        """Write this batch as a node table (``.jsonl`` or ``.parquet``), atomically; see :mod:`harts.nodetable`."""
+        nodetable.write_node_table(self, path)
 
     # ------------------------------------------------------------------ views
     def __len__(self) -> int:
@@ -461,7 +249,7 @@ class RolloutBatch:
         """Per trajectory the replayed expert ids ``[len, layers, top_k]`` (int64), or None when absent."""
         keys = {}
         for name in self.token_fields:
-            key = _routed_experts_key(name)
+            key = routed_experts_key(name)
             if key is not None:
                 keys[key] = name
         if not keys:

@@ -35,7 +35,8 @@ import attrs
 import numpy as np
 
 import harts
-from harts.batch import MAX_TOKEN_ID, RolloutBatch, adopt
+from harts.batch import RolloutBatch
+from harts.fields import MAX_TOKEN_ID, adopt
 from harts.errors import RolloutInputError
 from harts.inputs import DEMO_RESOURCE, Preset
 

@@ -277,7 +277,7 @@ def _describe(model, options: RunOptions) -> str:
 
 def run_training(options: RunOptions, *, console=None, progress: bool = True) -> TrainingRun:
     """Run ``options.steps`` RL steps on the batch ``options.input`` (see the module docstring)."""
-    import harts
+    from harts.compiler import compile as compile_batch
     from harts.inputs import resolve_input
 
     if options.task is not None:
@@ -297,7 +297,7 @@ def run_training(options: RunOptions, *, console=None, progress: bool = True) ->
         if options.train.kl_coef:
             reference = copy.deepcopy(model).requires_grad_(False)
         dp_size = options.dp or group.world_size
-        plan = harts.compile(batch, capacity=options.capacity, dp_size=dp_size, chunk_size=model.config.chunk_size,
+        plan = compile_batch(batch, capacity=options.capacity, dp_size=dp_size, chunk_size=model.config.chunk_size,
                              progress=progress and group.rank == 0)
         wrapped = wrap_model(model, options.parallel, device) if group.distributed else model
         optimizer = make_optimizer(wrapped, options)

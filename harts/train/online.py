@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import harts
+from harts.compiler import compile as compile_batch
 from harts.runtime import HybridConfig, HybridModel
 from harts.runtime.decode import IncrementalDecoder
 from harts.tasks import get_task, rollout_batch, sample_rollouts
@@ -128,7 +128,7 @@ class _ModeRun:
         rollouts = sample_rollouts(decoder, task, episodes, self.noise)
         batch = rollout_batch(rollouts)
         sampling_seconds = time.perf_counter() - started
-        plan = harts.compile(batch, capacity=options.capacity, dp_size=1, chunk_size=self.model.config.chunk_size)
+        plan = compile_batch(batch, capacity=options.capacity, dp_size=1, chunk_size=self.model.config.chunk_size)
         result = self.trainer.step(batch, plan)
         rewards = batch.trajectory_fields["reward"]
         figures = {
