@@ -161,6 +161,12 @@ def harts_log_probs(model, trajectories, *, dp_size=1, capacity=None):
     return log_probs(model, plan, batch), plan
 
 
+def mean_log_prob_diff(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    assert [len(g) for g in got] == [len(w) for w in want]
+    diffs = [(g.detach().double() - w.detach().double()).abs() for g, w in zip(got, want) if len(w)]
+    return float(torch.cat(diffs).mean()) if diffs else 0.0
+
+
 def max_log_prob_diff(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     assert [len(g) for g in got] == [len(w) for w in want]
     return max((float((g - w).detach().abs().max()) for g, w in zip(got, want) if len(w)), default=0.0)
