@@ -95,6 +95,7 @@ from harts_bench.ablation import (
 )
 from harts_bench.attention import format_table, run_attention_bench
 from harts_bench.common import STARTED, peak_memory_gib, reset_peak_memory, say, synchronize
+from harts_bench.profiling import excess_over_compression, format_excess, profile_seconds_by_family
 from harts_bench.workloads import swe_like_step, trees_near_compression
 
 
@@ -138,7 +139,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--attention-microbatches", type=int, default=None,
                         help="time only the first N microbatches in --attention-bench (default: all)")
     parser.add_argument("--profile", action="store_true",
-                        help="print a torch.profiler table of one baseline and one HARTS pass (after warm-up)")
+                        help="print a torch.profiler table of one baseline and one HARTS pass (after warm-up) and "
+                             "their self time by operator family against baseline / compression (profile_by_family)")
     return parser.parse_args(argv)
 
 
@@ -777,8 +779,19 @@ def main(argv=None) -> dict:
         del reference, rerun, repacked, compact
 
     if args.profile:
-        profile_pass("baseline", lambda: baseline_pass(model, batch, groups, chunk_size, stock, num_trajectories), model)
-        profile_pass("harts", lambda: harts_pass(model, plan, batch, kernels, num_trajectories), model)
+        run_baseline = lambda: baseline_pass(model, batch, groups, chunk_size, stock, num_trajectories)  # noqa: E731
+        run_harts = lambda: harts_pass(model, plan, batch, kernels, num_trajectories)  # noqa: E731
+        profile_pass("baseline", run_baseline, model)
+        profile_pass("harts", run_harts, model)
+        by_family = {}
+        for name, run in (("baseline", run_baseline), ("harts", run_harts)):
+            model.zero_grad(set_to_none=True)
+            by_family[name] = profile_seconds_by_family(run, device)
+        model.zero_grad(set_to_none=True)
+        results["profile_by_family"] = excess_over_compression(by_family["baseline"], by_family["harts"],
+                                                               results["compression"])
+        say("where HARTS spends more than baseline / compression (self time by operator family, one pass each):\n"
+            + format_excess(results["profile_by_family"]))
 
     reference_seconds = baseline_fla["mean_seconds"]
     results["speedup_vs_fla_baseline"] = reference_seconds / harts_result["mean_seconds"]

@@ -1,0 +1,90 @@
+"""Where a pass spends its time, by operator family, and how HARTS compares with baseline / compression.
+
+A HARTS pass that ran at the compression ratio would take ``baseline / compression``; what it
+spends beyond that, family by family, is where its speedup falls short. Families are told apart
+by kernel name (CUDA) or operator name (CPU), so backward kernels, which autograd launches
+outside any forward range, are counted with their operator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: (family, name fragments), first match wins; lower-case fragments of kernel / aten op names
+FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("communication", ("nccl", "gloo", "c10d::")),
+    ("linear attention", ("chunk_kda", "chunk_gla", "chunk_gated_delta", "recompute_w_u", "chunk_local_cumsum",
+                          "_scan_forward_kernel", "_scan_backward_kernel", "solve_tril", "kda_", "gdn_")),
+    ("causal conv", ("causal_conv1d",)),
+    ("full attention", ("flash", "fmha", "attention")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm",
+                "aten::matmul", "aten::linear", "aten::einsum", "grouped_mm", "aten::_grouped_mm")),
+    ("gather / scatter", ("index", "gather", "scatter", "embedding", "take", "masked_select")),
+    ("reductions and norms", ("reduce", "norm", "softmax", "logsumexp", "sum", "mean", "cumsum")),
+    ("copies and casts", ("copy", "cast", "cat", "memcpy", "memset", "fill", "contiguous", "clone", "to_copy")),
+    ("elementwise", ("elementwise", "vectorized", "mul", "add", "sub", "div", "exp", "log", "sigmoid", "silu",
+                     "where", "pow", "neg", "rsqrt", "sqrt", "clamp", "tanh")),
+)
+OTHER = "other"
+
+
+def family_of(name: str) -> str:
+    """The operator family of a kernel or operator name (:data:`FAMILIES`), else ``"other"``."""
+    lowered = name.lower()
+    for family, fragments in FAMILIES:
+        if any(fragment in lowered for fragment in fragments):
+            return family
+    return OTHER
+
+
+def seconds_by_family(profiler, device_type: str) -> dict[str, float]:
+    """Self time per family of one profiled region: device kernels on CUDA, CPU operators elsewhere.
+
+    Self times add up to the region's total without double counting nested operators.
+    """
+    totals = {family: 0.0 for family, _ in FAMILIES}
+    totals[OTHER] = 0.0
+    for event in profiler.key_averages():
+        if device_type == "cuda":
+            if event.device_type != torch.autograd.DeviceType.CUDA:
+                continue  # a CPU operator: the kernels it launched are listed as device events of their own
+            seconds = event.self_device_time_total * 1e-6
+        else:
+            seconds = event.self_cpu_time_total * 1e-6
+            if not event.key.startswith("aten::"):
+                continue  # python ranges and autograd wrappers: their aten children carry the time
+        if seconds > 0:
+            totals[family_of(event.key)] += seconds
+    return totals
+
+
+def profile_seconds_by_family(run, device: torch.device) -> dict[str, float]:
+    """Run ``run()`` once under torch.profiler and return :func:`seconds_by_family` of it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return seconds_by_family(profiler, device.type)
+
+
+def excess_over_compression(baseline: dict[str, float], harts: dict[str, float], compression: float) -> dict[str, dict]:
+    """Per family: the baseline's seconds, that divided by the compression (what HARTS would take at
+    the compression ratio), HARTS' seconds and its excess over that; plus a ``total`` row."""
+    rows = {}
+    for family in baseline:
+        ideal = baseline[family] / compression
+        rows[family] = {"baseline": baseline[family], "ideal": ideal, "harts": harts.get(family, 0.0),
+                        "excess": harts.get(family, 0.0) - ideal}
+    totals = {key: sum(row[key] for row in rows.values()) for key in ("baseline", "ideal", "harts", "excess")}
+    rows["total"] = totals
+    return rows
+
+
+def format_excess(rows: dict[str, dict]) -> str:
+    lines = [f"{'family':<22} {'baseline s':>11} {'/ compression':>14} {'harts s':>9} {'excess s':>9}"]
+    for family, row in rows.items():
+        lines.append(f"{family:<22} {row['baseline']:>11.3f} {row['ideal']:>14.3f} {row['harts']:>9.3f} {row['excess']:>+9.3f}")
+    return "\n".join(lines)

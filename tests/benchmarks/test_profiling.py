@@ -1,0 +1,51 @@
+"""The bench's time-by-operator-family breakdown (``harts bench --profile``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harts_bench.profiling import OTHER, excess_over_compression, family_of, profile_seconds_by_family
+
+
+@pytest.mark.parametrize(
+    ("name", "family"),
+    [
+        ("chunk_kda_fwd_kernel_intra_token_parallel", "linear attention"),
+        ("_scan_backward_kernel", "linear attention"),
+        ("chunk_gla_fwd_kernel_o", "linear attention"),
+        ("causal_conv1d_bwd_kernel", "causal conv"),
+        ("void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", "full attention"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
+        ("nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT", "matmul"),
+        ("void at::native::indexSelectLargeIndex<c10::BFloat16, long, unsigned int, 2, 2, -2, true>", "gather / scatter"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "elementwise"),
+        ("aten::mm", "matmul"),
+        ("aten::index_select", "gather / scatter"),
+        ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "communication"),
+        ("triton_poi_fused_0", OTHER),
+    ],
+)
+def test_kernel_names_fall_in_their_family(name, family):
+    assert family_of(name) == family
+
+
+def test_excess_rows_add_up():
+    baseline = {"matmul": 10.0, "linear attention": 4.0, OTHER: 1.0}
+    harts = {"matmul": 2.5, "linear attention": 1.5, OTHER: 0.5}
+    rows = excess_over_compression(baseline, harts, compression=5.0)
+    assert rows["matmul"] == {"baseline": 10.0, "ideal": 2.0, "harts": 2.5, "excess": pytest.approx(0.5)}
+    assert rows["total"]["excess"] == pytest.approx(sum(harts.values()) - sum(baseline.values()) / 5.0)
+
+
+def test_a_cpu_profile_puts_matmuls_and_gathers_in_their_families():
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    index = torch.randint(0, 256, (4096,))
+
+    def run():
+        for _ in range(3):
+            (a @ b).index_select(0, index).sum()
+
+    seconds = profile_seconds_by_family(run, torch.device("cpu"))
+    assert seconds["matmul"] > 0 and seconds["gather / scatter"] > 0
+    assert seconds["linear attention"] == 0 and seconds["causal conv"] == 0
