@@ -108,7 +108,8 @@ def integer_array(values: Any, where: str, minimum: int, maximum: int, what: str
         raise RolloutInputError(f"{where} entry {bad} is {int(array[bad])}, {above}")
     return array.astype(np.int64, copy=False)
 
-#: Prefix of the per-token fields holding replayed expert ids (see the module docstring).
+
+#: Prefix of the per-token fields holding replayed expert ids (router replay: see :mod:`harts.batch`).
 ROUTED_EXPERTS = "routed_experts"
 
 

@@ -80,17 +80,15 @@ def causal_conv1d(
             raise ValueError(
                 f"context must be [N, W-1, D] = [{num_sequences}, {width - 1}, {channels}], got {tuple(context.shape)}"
             )
-        unread_slot = context.new_zeros(num_sequences, channels, 1)
+        unread_slot = x.new_zeros(num_sequences, channels, 1)
         initial_state = torch.cat([unread_slot, context.to(x.dtype).transpose(1, 2)], dim=2)  # [N, D, W]
-    cu = cu_seqlens.to(device=x.device, dtype=torch.int32) if torch.is_tensor(cu_seqlens) else \
-        torch.as_tensor(bounds, device=x.device, dtype=torch.int32)
     y, _ = fla_causal_conv1d(
         x.unsqueeze(0),  # [1, T, D]
         weight=weight.to(x.dtype).contiguous(),
         bias=None if bias is None else bias.to(x.dtype),
         initial_state=initial_state,
         activation=None if activation == "identity" else activation,
-        cu_seqlens=cu,
+        cu_seqlens=cu_seqlens.to(device=x.device, dtype=torch.int32),
         cu_seqlens_cpu=torch.as_tensor(bounds, dtype=torch.int32),
     )
     return y.squeeze(0)
