@@ -8,6 +8,7 @@ outside any forward range, are counted with their operator.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 #: (family, name fragments), first match wins; lower-case fragments of kernel / aten op names
@@ -70,12 +71,34 @@ def profile_seconds_by_family(run, device: torch.device) -> dict[str, float]:
     return seconds_by_family(profiler, device.type)
 
 
-def excess_over_compression(baseline: dict[str, float], harts: dict[str, float], compression: float) -> dict[str, dict]:
-    """Per family: the baseline's seconds, that divided by the compression (what HARTS would take at
-    the compression ratio), HARTS' seconds and its excess over that; plus a ``total`` row."""
+def causal_attention_pairs(lengths) -> float:
+    """Query-key pairs of causal attention over whole trajectories: sum of L (L + 1) / 2."""
+    lengths = np.asarray(lengths, dtype=np.float64)
+    return float(np.sum(lengths * (lengths + 1) / 2))
+
+
+def plan_attention_pairs(layouts) -> float:
+    """Query-key pairs HARTS' attention computes: each compact sequence's rows against its ancestors'
+    rows and, causally, its own."""
+    pairs = 0.0
+    for layout in layouts:
+        for sequence in range(layout.num_sequences):
+            own = float(layout.sequence_rows(sequence).size)
+            pairs += own * layout.ancestor_rows_of(sequence).size + own * (own + 1) / 2
+    return pairs
+
+
+def excess_over_compression(baseline: dict[str, float], harts: dict[str, float], compression: float,
+                            family_compression: dict[str, float] | None = None) -> dict[str, dict]:
+    """Per family: the baseline's seconds, that divided by the family's compression (what HARTS would
+    take if it did the baseline's work per unit at the plan's sharing), HARTS' seconds and its excess
+    over that; plus a ``total`` row. ``family_compression`` overrides the token ``compression`` for
+    families whose work does not scale with rows (full attention: query-key pairs, since a branch's
+    queries still attend to its whole shared prefix)."""
+    family_compression = family_compression or {}
     rows = {}
     for family in baseline:
-        ideal = baseline[family] / compression
+        ideal = baseline[family] / family_compression.get(family, compression)
         rows[family] = {"baseline": baseline[family], "ideal": ideal, "harts": harts.get(family, 0.0),
                         "excess": harts.get(family, 0.0) - ideal}
     totals = {key: sum(row[key] for row in rows.values()) for key in ("baseline", "ideal", "harts", "excess")}

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harts_bench.profiling import OTHER, excess_over_compression, family_of, profile_seconds_by_family
+from harts_bench.profiling import (
+    OTHER,
+    causal_attention_pairs,
+    excess_over_compression,
+    family_of,
+    plan_attention_pairs,
+    profile_seconds_by_family,
+)
 
 
 @pytest.mark.parametrize(
@@ -49,3 +56,33 @@ def test_a_cpu_profile_puts_matmuls_and_gathers_in_their_families():
     seconds = profile_seconds_by_family(run, torch.device("cpu"))
     assert seconds["matmul"] > 0 and seconds["gather / scatter"] > 0
     assert seconds["linear attention"] == 0 and seconds["causal conv"] == 0
+
+
+def plan_layouts(trajectories, chunk_size):
+    import harts
+
+    batch = harts.RolloutBatch.from_trajectories(trajectories)
+    plan = harts.compile(batch, capacity=4096, chunk_size=chunk_size)
+    return batch, [plan.layout(m) for m in range(len(plan.module.microbatches))]
+
+
+def test_attention_pairs_without_sharing_equal_the_baseline():
+    batch, layouts = plan_layouts([[1, 2, 3], [4, 5, 6, 7, 8], [9]], chunk_size=4)
+    assert plan_attention_pairs(layouts) == causal_attention_pairs(batch.lengths) == 6 + 15 + 1
+
+
+def test_attention_pairs_of_branches_on_a_shared_prefix():
+    """One prefix of 100 tokens, four branches of 10 (the fork on the chunk grid, so no replay): the
+    prefix's pairs are computed once, every branch's queries still see all 100 prefix keys."""
+    prefix = list(range(1, 101))
+    branches = [prefix + [200 + 10 * b + i for i in range(10)] for b in range(4)]
+    batch, layouts = plan_layouts(branches, chunk_size=4)
+    assert causal_attention_pairs(batch.lengths) == 4 * 110 * 111 / 2
+    assert plan_attention_pairs(layouts) == 100 * 101 / 2 + 4 * (10 * 100 + 10 * 11 / 2)
+
+
+def test_a_family_with_its_own_compression_gets_its_own_ideal():
+    rows = excess_over_compression({"full attention": 8.0, "matmul": 10.0}, {"full attention": 2.5, "matmul": 2.0},
+                                   compression=5.0, family_compression={"full attention": 4.0})
+    assert rows["full attention"]["ideal"] == 2.0 and rows["matmul"]["ideal"] == 2.0
+    assert rows["total"]["excess"] == pytest.approx(0.5)
