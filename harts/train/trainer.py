@@ -23,7 +23,9 @@ q-weighted probability mass to ``P_e``. At the first epoch this is exactly the b
 loss; later epochs keep the step's ``f_e``.
 
 ``mode="baseline"`` runs the same microbatches trajectory-wise (every path expanded) through
-the same code, so HARTS and the baseline can be compared step for step.
+the same code, so HARTS and the baseline can be compared step for step. Expanded, a microbatch
+holds more raw tokens than the ``capacity`` its compact rows fit in, so the baseline runs each
+as consecutive parts of its members of at most ``capacity`` raw tokens, accumulating gradients.
 """
 
 from __future__ import annotations
@@ -115,6 +117,37 @@ def _module_of(plan: Any):
     return plan.module if hasattr(plan, "module") else plan
 
 
+@attrs.frozen
+class _Part:
+    """What one forward + backward runs: a whole microbatch (HARTS), or, for the baseline, a run of
+    its members of at most the plan's capacity in raw tokens. The baseline expands every path, so a
+    microbatch's whole membership holds compression times the rows HARTS executes for it (the
+    headline's 193,589 raw tokens for 34,395 rows did not fit an H200); the loss shares carry batch
+    denominators, so accumulating the parts gives the microbatch's gradient."""
+
+    microbatch: int
+    trajectories: tuple[int, ...]
+
+
+def _parts(microbatches, batch, module, mode: str) -> list[_Part]:
+    if mode == "harts":
+        return [_Part(mb.index, tuple(sorted(int(i) for i in mb.trajectories))) for mb in microbatches]
+    parts = []
+    for mb in microbatches:
+        current: list[int] = []
+        raw_tokens = 0
+        for trajectory in sorted(int(i) for i in mb.trajectories):
+            length = len(batch.tokens[trajectory])
+            if current and raw_tokens + length > module.capacity:
+                parts.append(_Part(mb.index, tuple(current)))
+                current, raw_tokens = [], 0
+            current.append(trajectory)
+            raw_tokens += length
+        if current:
+            parts.append(_Part(mb.index, tuple(current)))
+    return parts
+
+
 class Trainer:
     """Runs RL optimisation steps of ``model`` on compiled plans.
 
@@ -164,7 +197,7 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _run(self, model: nn.Module, batch, plan, mb, config: TrainConfig, *, grad: bool) -> MicrobatchOutput:
+    def _run(self, model: nn.Module, batch, plan, part: _Part, config: TrainConfig, *, grad: bool) -> MicrobatchOutput:
         options = dict(
             recompute=config.recompute and grad,
             with_entropy=config.with_entropy and grad,
@@ -173,8 +206,9 @@ class Trainer:
             temperature=config.temperature,
         )
         if config.mode == "harts":
-            return microbatch_log_probs(model, plan, batch, mb.index, **options)
-        return microbatch_log_probs_baseline(model, batch, mb.trajectories, chunk_size=_module_of(plan).chunk_size, **options)
+            return microbatch_log_probs(model, plan, batch, part.microbatch, **options)
+        return microbatch_log_probs_baseline(model, batch, part.trajectories, chunk_size=_module_of(plan).chunk_size,
+                                             **options)
 
     def _moe_layers(self) -> int:
         return int(getattr(getattr(self.module, "config", None), "num_moe_layers", 0))
@@ -204,6 +238,7 @@ class Trainer:
             )
         group = ProcessGroupInfo.of(self.model, self.process_group)
         mine = replica_microbatches(module, group.rank, group.world_size)
+        parts = _parts(mine, batch, module, config.mode)
         group.check_same((module.input_hash, [(mb.index, mb.replica, mb.slot) for mb in module.microbatches], config), "plan or config")
 
         advantages = metadata_field(advantages, batch, ADVANTAGE_FIELDS, "advantages", required=True)
@@ -218,7 +253,7 @@ class Trainer:
         device = self.device
         no_grad_passes = int(config.recompute_old_log_probs or bool(config.aux_loss_coef and moe_layers))
         no_grad_passes += int(self.reference_model is not None)
-        total = (no_grad_passes + config.epochs) * len(mine)
+        total = (no_grad_passes + config.epochs) * len(parts)
         done = 0
 
         def progress(phase: str) -> None:
@@ -229,7 +264,7 @@ class Trainer:
 
         self.optimizer.zero_grad(set_to_none=True)
         started = self._now()
-        old_by_mb, ref_by_mb, routed = self._no_grad_passes(batch, plan, mine, config, group, progress)
+        old_by_part, ref_by_part, routed = self._no_grad_passes(batch, plan, parts, config, group, progress)
         logprob_seconds = self._now() - started
 
         metrics = []
@@ -238,23 +273,23 @@ class Trainer:
             maxes = torch.full((len(_MAXES),), float("-inf"), dtype=torch.float64, device=device)
             loads = None
             started = self._now()
-            for position, mb in enumerate(mine):
-                with gradient_sync(self.model, enabled=position == len(mine) - 1):
-                    out = self._run(self.model, batch, plan, mb, config, grad=True)
-                    parts = self._microbatch_loss(
+            for position, part in enumerate(parts):
+                with gradient_sync(self.model, enabled=position == len(parts) - 1):
+                    out = self._run(self.model, batch, plan, part, config, grad=True)
+                    terms = self._microbatch_loss(
                         out, batch, config, advantages=advantages, denominator=denominator,
-                        old=old_by_mb.get(mb.index, _select(old_field, out.trajectories)),
-                        ref=ref_by_mb.get(mb.index, _select(ref_field, out.trajectories)),
+                        old=old_by_part.get(position, _select(old_field, out.trajectories)),
+                        ref=ref_by_part.get(position, _select(ref_field, out.trajectories)),
                         routed=routed, semantic_tokens=semantic_tokens,
                     )
                     # DDP and FSDP2 average gradients over ranks; the shares already carry batch denominators.
-                    (parts["loss"] * group.world_size).backward()
+                    (terms["loss"] * group.world_size).backward()
                 for index, name in enumerate(_SUMS):
-                    if name in parts:
-                        sums[index] += parts[name].detach().to(torch.float64)
+                    if name in terms:
+                        sums[index] += terms[name].detach().to(torch.float64)
                 sums[_SUMS.index("rows")] += out.rows
-                maxes[0] = torch.maximum(maxes[0], parts["ratio_max"].to(torch.float64))
-                maxes[1] = torch.maximum(maxes[1], -parts["ratio_min"].to(torch.float64))
+                maxes[0] = torch.maximum(maxes[0], terms["ratio_max"].to(torch.float64))
+                maxes[1] = torch.maximum(maxes[1], -terms["ratio_min"].to(torch.float64))
                 if moe_layers:
                     loads = out.moe.assign_count if loads is None else loads + out.moe.assign_count
                 progress(f"epoch {epoch + 1}")
@@ -278,29 +313,36 @@ class Trainer:
             group.all_reduce(sums)
             group.all_reduce(maxes, "max")
             metrics.append(self._record(epoch, config, sums, maxes, grad_norm, lr, semantic_tokens, moe_layers,
-                                        has_kl=bool(ref_by_mb) or ref_field is not None, routed=routed))
+                                        has_kl=bool(ref_by_part) or ref_field is not None, routed=routed))
         self.steps_done += 1
-        return StepResult(step=self.steps_done, mode=config.mode, metrics=tuple(metrics), old_log_probs=old_by_mb)
+        old_by_microbatch: dict[int, list[torch.Tensor]] = {}
+        for position, part in enumerate(parts):  # a microbatch's parts are consecutive runs of its sorted members
+            if position in old_by_part:
+                old_by_microbatch.setdefault(part.microbatch, []).append(old_by_part[position])
+        old_log_probs = {index: torch.cat(pieces) for index, pieces in old_by_microbatch.items()}
+        return StepResult(step=self.steps_done, mode=config.mode, metrics=tuple(metrics), old_log_probs=old_log_probs)
 
-    def _no_grad_passes(self, batch, plan, mine, config, group, progress):
-        """Old log-probs, reference log-probs and the batch's routed expert counts, per microbatch, under no grad."""
-        old_by_mb: dict[int, torch.Tensor] = {}
-        ref_by_mb: dict[int, torch.Tensor] = {}
+    def _no_grad_passes(self, batch, plan, parts, config, group, progress):
+        """Old log-probs, reference log-probs (by position in ``parts``) and the batch's routed expert
+        counts, under no grad."""
+        old_by_part: dict[int, torch.Tensor] = {}
+        ref_by_part: dict[int, torch.Tensor] = {}
         routed = None
         with torch.no_grad():
-            for mb in mine:
+            for position, part in enumerate(parts):
                 if config.recompute_old_log_probs or (config.aux_loss_coef and self._moe_layers()):
-                    out = self._run(self.model, batch, plan, mb, config, grad=False)
+                    out = self._run(self.model, batch, plan, part, config, grad=False)
                     if config.recompute_old_log_probs:
-                        old_by_mb[mb.index] = out.log_probs
+                        old_by_part[position] = out.log_probs
                     routed = out.moe.assign_count if routed is None else routed + out.moe.assign_count
                     progress("old log-probs")
                 if self.reference_model is not None:
-                    ref_by_mb[mb.index] = self._run(self.reference_model, batch, plan, mb, config, grad=False).log_probs
+                    ref_by_part[position] = self._run(self.reference_model, batch, plan, part, config,
+                                                      grad=False).log_probs
                     progress("reference log-probs")
         if routed is not None and self._moe_layers():
             routed = group.all_reduce(routed.clone())
-        return old_by_mb, ref_by_mb, routed
+        return old_by_part, ref_by_part, routed
 
     def _microbatch_loss(self, out, batch, config, *, advantages, denominator, old, ref, routed, semantic_tokens):
         """This microbatch's share of the batch loss, and the detached sums behind the metrics."""

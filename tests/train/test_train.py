@@ -136,6 +136,46 @@ def test_harts_on_any_microbatching_trains_as_the_baseline_on_one(trajectories, 
     assert max_relative_difference(state(harts_model), state(baseline_model)) <= 1e-9
 
 
+def test_the_baseline_runs_a_microbatch_in_parts_of_at_most_the_capacity_and_trains_as_harts(monkeypatch):
+    """A microbatch holds up to ``capacity`` compact rows, so expanded it holds more raw tokens: the
+    baseline runs it as consecutive parts of at most ``capacity`` raw tokens and accumulates them."""
+    import harts.train.trainer as trainer_module
+
+    batch = forked_batch()
+    capacity = 60
+    plan = harts.compile(batch, capacity=capacity, chunk_size=4)
+    assert any(sum(len(batch.tokens[i]) for i in mb.trajectories) > capacity for mb in plan.module.microbatches)
+    calls = []
+    run_part = trainer_module.microbatch_log_probs_baseline
+
+    def recording(model, batch, trajectories, **options):
+        calls.append(tuple(trajectories))
+        return run_part(model, batch, trajectories, **options)
+
+    monkeypatch.setattr(trainer_module, "microbatch_log_probs_baseline", recording)
+    options = dict(epochs=2, z_loss_coef=1e-2, aux_loss_coef=1e-2, expert_bias_rate=1e-3)
+    start = tiny_model()
+    harts_model, baseline_model = copy.deepcopy(start), copy.deepcopy(start)
+    results = {}
+    for mode, model in (("harts", harts_model), ("baseline", baseline_model)):
+        trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), TrainConfig(mode=mode, **options))
+        results[mode] = trainer.step(batch, plan)
+    assert calls and all(len(part) == 1 or sum(len(batch.tokens[i]) for i in part) <= capacity for part in calls)
+    members = sorted(i for mb in plan.module.microbatches for i in mb.trajectories)
+    passes = 1 + options["epochs"]  # old log-probs, then every epoch
+    assert len(calls) % passes == 0
+    per_pass = calls[: len(calls) // passes]
+    assert len(per_pass) > len(plan.module.microbatches)  # some microbatch ran in several parts
+    assert sorted(i for part in per_pass for i in part) == members  # every member once per pass
+    assert calls == per_pass * passes
+    for a, b in zip(results["harts"].metrics, results["baseline"].metrics):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-9, abs=1e-12)
+    assert results["harts"].old_log_probs.keys() == results["baseline"].old_log_probs.keys()
+    for index, old in results["harts"].old_log_probs.items():
+        torch.testing.assert_close(results["baseline"].old_log_probs[index], old, rtol=0, atol=1e-12)
+    assert max_relative_difference(state(harts_model), state(baseline_model)) <= 1e-9
+
+
 def test_first_epoch_ratios_are_exactly_one_and_reference_kl_starts_at_zero():
     batch = forked_batch()
     plan = harts.compile(batch, capacity=40, chunk_size=4)
