@@ -4,8 +4,32 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["sequence_bounds"]
+
+
+#: host copies of cu_seqlens tensors, by tensor, with the version counter they were read at
+_HOST_COPIES = WeakIdKeyDictionary()
+
+
+def _host_bounds(cu_seqlens: torch.Tensor) -> np.ndarray:
+    """``cu_seqlens`` as read-only int64 numpy, read from the device once per tensor and version.
+
+    Reading a CUDA tensor on the host waits for every kernel queued before it. A plan's programs
+    pass the same cu_seqlens buffers to every layer, so without this each linear-attention,
+    convolution and attention call of every layer would drain the GPU's queue once.
+    """
+    tracked = not cu_seqlens.is_inference()  # inference tensors have no version counter
+    if tracked:
+        cached = _HOST_COPIES.get(cu_seqlens)
+        if cached is not None and cached[0] == cu_seqlens._version:
+            return cached[1]
+    bounds = cu_seqlens.detach().cpu().numpy().astype(np.int64)
+    bounds.flags.writeable = False
+    if tracked:
+        _HOST_COPIES[cu_seqlens] = (cu_seqlens._version, bounds)
+    return bounds
 
 
 def sequence_bounds(cu_seqlens: torch.Tensor, total_rows: int, name: str) -> np.ndarray:
@@ -14,7 +38,7 @@ def sequence_bounds(cu_seqlens: torch.Tensor, total_rows: int, name: str) -> np.
         raise ValueError(f"{name} must be a 1-D LongTensor [N+1], got {cu_seqlens!r}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name} must hold integers, got dtype {cu_seqlens.dtype}")
-    bounds = cu_seqlens.detach().cpu().numpy().astype(np.int64)
+    bounds = _host_bounds(cu_seqlens)
     if bounds[0] != 0:
         raise ValueError(f"{name} must start at 0, got {int(bounds[0])}")
     if bounds[-1] != total_rows:

@@ -89,6 +89,6 @@ def causal_conv1d(
         initial_state=initial_state,
         activation=None if activation == "identity" else activation,
         cu_seqlens=cu_seqlens.to(device=x.device, dtype=torch.int32),
-        cu_seqlens_cpu=torch.as_tensor(bounds, dtype=torch.int32),
+        cu_seqlens_cpu=torch.tensor(bounds, dtype=torch.int32),
     )
     return y.squeeze(0)

@@ -96,7 +96,7 @@ class _CallLayout:
         counts = -(-lengths // chunk_size)
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self.num_chunks = int(offsets[-1])
-        self.cu_seqlens = torch.as_tensor(bounds, dtype=torch.long, device=device)
+        self.cu_seqlens = torch.tensor(bounds, dtype=torch.long, device=device)  # bounds are read-only: copy
         self.chunk_offsets = torch.as_tensor(offsets, dtype=torch.long, device=device)
         self.chunk_indices = fla["prepare_chunk_indices"](self.cu_seqlens, chunk_size)
         chunk_export = np.full(self.num_chunks, -1, dtype=np.int32)
