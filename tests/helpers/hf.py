@@ -146,7 +146,7 @@ def reference_log_probs(model, trajectories) -> list[torch.Tensor]:
     context = transformers_in_float64() if model.dtype == torch.float64 else contextlib.nullcontext()
     with context:
         for tokens in trajectories:
-            ids = torch.as_tensor(tokens, dtype=torch.long)[None]
+            ids = torch.tensor(tokens, dtype=torch.long)[None]
             logits = model(input_ids=ids, use_cache=False).logits[0]
             log_probs_all = torch.log_softmax(logits, dim=-1)
             out.append(log_probs_all[:-1].gather(1, ids[0, 1:, None])[:, 0])

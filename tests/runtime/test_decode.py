@@ -86,7 +86,7 @@ def test_next_token_distributions_equal_the_full_forward(trajectories, pieces, m
             states[state.tokens] = state
         with torch.no_grad():
             view = BaselineView([len(tokens)], model.config.chunk_size)
-            logits, _ = model(torch.as_tensor(tokens), view)
+            logits, _ = model(torch.tensor(tokens), view)
             full = torch.log_softmax(logits, dim=-1)
         for prefix, decoded in states.items():
             if prefix and tokens[: len(prefix)] == prefix:

@@ -71,7 +71,7 @@ def no_replay_log_probs(model, batch, plan) -> dict[int, torch.Tensor]:
         hidden, _ = model.forward_hidden(ids, NoReplayView(lengths, cuts, CHUNK))
         for trajectory, tokens, rows in zip(members, sub.tokens, hidden.split(lengths)):
             log_probs = torch.log_softmax(model.logits(rows[:-1]).double(), -1)
-            out[trajectory] = log_probs.gather(1, torch.as_tensor(tokens[1:])[:, None])[:, 0]
+            out[trajectory] = log_probs.gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
     return out
 
 

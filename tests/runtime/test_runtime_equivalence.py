@@ -164,7 +164,7 @@ def test_outputs_follow_user_order_and_alignment():
     assert [x.shape[0] for x in out.log_probs] == [4, 2, 0, 5]
     assert out.cu_seqlens.tolist() == [0, 4, 6, 6, 11]
     # entry t of trajectory i is log p(tokens[t+1] | tokens[:t+1]): recompute one trajectory on its own
-    tokens = torch.as_tensor(batch.tokens[3])
+    tokens = torch.tensor(batch.tokens[3])
     from harts.runtime import BaselineView
 
     hidden, _ = model.forward_hidden(tokens, BaselineView([len(tokens)], 4))

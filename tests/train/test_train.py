@@ -105,7 +105,7 @@ def test_temperature_divides_the_logits_before_the_log_softmax():
     for i, tokens in enumerate(batch.tokens):  # the definition, from full logits of one trajectory
         from harts.runtime import BaselineView
 
-        ids = torch.as_tensor(tokens)
+        ids = torch.tensor(tokens)
         logits, _ = model(ids, BaselineView([len(tokens)], 4))
         expected = torch.log_softmax(logits / temperature, dim=-1)[:-1].gather(1, ids[1:, None])[:, 0]
         torch.testing.assert_close(out.log_probs[i], expected, rtol=0, atol=1e-12)
