@@ -82,8 +82,7 @@ def tune_convolution(config, lengths: np.ndarray, started: float) -> None:
     """Forward + backward of fla's causal convolution at the model's conv shape, with and without context."""
     from harts.kernels.conv import fla as fla_conv
 
-    channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim \
-        + config.linear_num_value_heads * config.linear_value_head_dim
+    channels = config.linear_conv_channels
     width = config.linear_conv_kernel_dim
     cu = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), device="cuda")
     x = torch.randn(int(lengths.sum()), channels, device="cuda").bfloat16().requires_grad_()

@@ -536,8 +536,7 @@ def conv_bench(args, config, plan, batch, device, dtype) -> dict:
     from harts.kernels.conv import fla as fla_conv
     from harts.kernels.conv import naive as naive_conv
 
-    channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim \
-        + config.linear_num_value_heads * config.linear_value_head_dim
+    channels = config.linear_conv_channels
     width = config.linear_conv_kernel_dim
     variants = {"reference": naive_conv.causal_conv1d}
     if device.type == "cuda" and fla_conv.fla_conv_available(torch.zeros(1, 1, device=device, dtype=dtype),

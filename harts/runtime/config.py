@@ -263,6 +263,12 @@ class HybridConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
+    def linear_conv_channels(self) -> int:
+        """Channels of a linear-attention layer's short convolution: its q, k and v, concatenated."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
+
+    @property
     def num_linear_layers(self) -> int:
         return sum(t == "linear" for t in self.layer_types)
 

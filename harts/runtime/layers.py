@@ -193,7 +193,7 @@ class GatedDeltaNet(nn.Module):
         self.head_v_dim = config.linear_value_head_dim
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
-        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_dim = config.linear_conv_channels
         self.in_proj_qkvz = nn.Linear(self.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
         self.in_proj_ba = nn.Linear(self.hidden_size, 2 * self.num_v_heads, bias=False)
         self.conv1d = ShortConvolution(self.conv_dim, config.linear_conv_kernel_dim, bias=config.linear_conv_bias)
@@ -284,7 +284,7 @@ class KimiDeltaAttention(nn.Module):
         self.k_proj = nn.Linear(self.hidden_size, self.key_dim, bias=False)
         self.v_proj = nn.Linear(self.hidden_size, self.value_dim, bias=False)
         self.conv1d = ShortConvolution(
-            2 * self.key_dim + self.value_dim, config.linear_conv_kernel_dim, bias=config.linear_conv_bias
+            config.linear_conv_channels, config.linear_conv_kernel_dim, bias=config.linear_conv_bias
         )
         self.forget_gate = KimiForgetGate(config)
         self.b_proj = nn.Linear(self.hidden_size, self.num_heads, bias=False)

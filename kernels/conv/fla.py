@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import sequence_bounds
 from ..fla_setup import configure_fla
+from .naive import check_conv_inputs
 
 __all__ = ["causal_conv1d", "fla_conv_available"]
 
@@ -70,16 +70,10 @@ def causal_conv1d(
     fla_causal_conv1d = _load()
     if fla_causal_conv1d is None:
         raise RuntimeError("flash-linear-attention is not installed: pip install 'harts[gpu]'")
-    total, channels = x.shape
-    width = weight.shape[1]
-    bounds = sequence_bounds(cu_seqlens, total, "cu_seqlens")
-    num_sequences = len(bounds) - 1
+    bounds = check_conv_inputs(x, weight, bias, cu_seqlens, context, activation)
+    num_sequences, channels = len(bounds) - 1, x.shape[1]
     initial_state = None
     if context is not None:
-        if tuple(context.shape) != (num_sequences, width - 1, channels):
-            raise ValueError(
-                f"context must be [N, W-1, D] = [{num_sequences}, {width - 1}, {channels}], got {tuple(context.shape)}"
-            )
         unread_slot = x.new_zeros(num_sequences, channels, 1)
         initial_state = torch.cat([unread_slot, context.to(x.dtype).transpose(1, 2)], dim=2)  # [N, D, W]
     y, _ = fla_causal_conv1d(

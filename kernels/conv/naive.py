@@ -8,10 +8,32 @@ import torch.nn.functional as F
 
 from .._checks import sequence_bounds
 
-__all__ = ["causal_conv1d"]
+__all__ = ["causal_conv1d", "check_conv_inputs"]
 
 
 _ACTIVATIONS = {"silu": F.silu, "swish": F.silu, None: None, "identity": None}
+
+
+def check_conv_inputs(x, weight, bias, cu_seqlens, context, activation) -> np.ndarray:
+    """The shape and option checks every causal-convolution path makes; returns the sequence bounds."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, D], got {tuple(x.shape)}")
+    total, channels = x.shape
+    if weight.dim() != 2 or weight.shape[0] != channels:
+        raise ValueError(f"weight must be [D, W] = [{channels}, W], got {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (channels,):
+        raise ValueError(f"bias must be [D] = [{channels}], got {tuple(bias.shape)}")
+    if activation not in _ACTIVATIONS:
+        known = sorted(a for a in _ACTIVATIONS if a)
+        raise ValueError(f"activation must be one of {known} or None, got {activation!r}")
+    history = weight.shape[1] - 1
+    bounds = sequence_bounds(cu_seqlens, total, "cu_seqlens")
+    num_sequences = len(bounds) - 1
+    if context is not None and tuple(context.shape) != (num_sequences, history, channels):
+        raise ValueError(
+            f"context must be [N, W-1, D] = [{num_sequences}, {history}, {channels}], got {tuple(context.shape)}"
+        )
+    return bounds
 
 
 def causal_conv1d(
@@ -36,26 +58,13 @@ def causal_conv1d(
     Returns:
         y [T, D].
     """
-    if x.dim() != 2:
-        raise ValueError(f"x must be [T, D], got {tuple(x.shape)}")
+    bounds = check_conv_inputs(x, weight, bias, cu_seqlens, context, activation)
     total, channels = x.shape
-    if weight.dim() != 2 or weight.shape[0] != channels:
-        raise ValueError(f"weight must be [D, W] = [{channels}, W], got {tuple(weight.shape)}")
-    if bias is not None and tuple(bias.shape) != (channels,):
-        raise ValueError(f"bias must be [D] = [{channels}], got {tuple(bias.shape)}")
-    if activation not in _ACTIVATIONS:
-        known = sorted(a for a in _ACTIVATIONS if a)
-        raise ValueError(f"activation must be one of {known} or None, got {activation!r}")
     width = weight.shape[1]
     history = width - 1
-    bounds = sequence_bounds(cu_seqlens, total, "cu_seqlens")
     num_sequences = len(bounds) - 1
     if context is None:
         context = x.new_zeros(num_sequences, history, channels)
-    elif tuple(context.shape) != (num_sequences, history, channels):
-        raise ValueError(
-            f"context must be [N, W-1, D] = [{num_sequences}, {history}, {channels}], got {tuple(context.shape)}"
-        )
 
     lengths = np.diff(bounds)
     token_sequence = np.repeat(np.arange(num_sequences), lengths)

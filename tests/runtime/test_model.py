@@ -627,3 +627,11 @@ def test_tied_embeddings_share_the_weight():
     torch.manual_seed(0)
     model = HybridModel(HybridConfig.preset("tiny", tie_word_embeddings=True))
     assert model.lm_head.weight is model.embed_tokens.weight
+
+
+@pytest.mark.parametrize(("linear", "value_heads"), [("kda", 2), ("gdn", 4)])
+def test_linear_conv_channels_are_the_layers_convolution_channels(linear, value_heads):
+    config = HybridConfig.preset("tiny", linear=linear, linear_num_key_heads=2, linear_num_value_heads=value_heads,
+                                 linear_key_head_dim=8, linear_value_head_dim=6)
+    convolutions = [m for m in HybridModel(config).modules() if type(m).__name__ == "ShortConvolution"]
+    assert convolutions and all(m.channels == config.linear_conv_channels for m in convolutions)
