@@ -9,8 +9,9 @@ calls them), and their code prints with the ``codegen`` stage of an IR dump
 * linear attention ``(q, k, v, log_decay, beta, scale) -> o``: per round one gather of the
   round's rows (replay rows are ancestors' existing rows), one packed chunkwise call, the
   state handoffs (exported boundary states become later rounds' initial states, inside
-  the autograd graph) and the selection of non-replay outputs; the rounds' outputs
-  concatenate into the compact row order, which is round-major by construction.
+  the autograd graph) and the selection of non-replay outputs, which fill the compact row
+  order, round-major by construction. The gathers and the selection are modules of
+  :mod:`harts.kernels.rows.packed`, whose backward writes each row's gradient once.
 * causal convolution ``(x, weight, bias, activation) -> y``: one packed call over the
   sequences' own rows, each preceded by its true ancestors' last ``w - 1`` rows.
 * attention ``(q, k, v, scale) -> o``: compact queries per sequence (already contiguous in
@@ -32,6 +33,7 @@ import torch.fx
 
 from harts.ir.layout import MicrobatchLayout
 from harts.kernels import dispatch
+from harts.kernels.rows.packed import RowGather, RowScatter
 from harts.numerics import compact_log_probs
 
 #: The kinds of program a layout lowers to (one per sequence operator, plus log-probs).
@@ -57,6 +59,14 @@ class _ProgramBuilder:
     def call(self, target, args: tuple, kwargs: dict | None = None, name: str | None = None) -> torch.fx.Node:
         return self.graph.create_node("call_function", target, args, kwargs or {}, name=name)
 
+    def submodule(self, name: str, module: torch.nn.Module) -> str:
+        """Attach ``module`` (index buffers and all) to the program; ``call_module`` nodes name it."""
+        self.root.add_module(name, module)
+        return name
+
+    def call_module(self, target: str, args: tuple, name: str | None = None) -> torch.fx.Node:
+        return self.graph.create_node("call_module", target, args, {}, name=name)
+
     def finish(self, outputs: Any, class_name: str) -> torch.fx.GraphModule:
         self.graph.output(outputs)
         self.graph.lint()
@@ -65,13 +75,6 @@ class _ProgramBuilder:
 
 def _is_range(rows: np.ndarray) -> bool:
     return rows.size > 0 and bool(np.array_equal(rows, np.arange(rows[0], rows[0] + rows.size)))
-
-
-def _gather(builder: _ProgramBuilder, source: torch.fx.Node, rows: np.ndarray, index: torch.fx.Node | None, name: str) -> torch.fx.Node:
-    """``source[rows]``; a narrow when the rows are one contiguous range (no copy)."""
-    if _is_range(rows):
-        return builder.call(torch.narrow, (source, 0, int(rows[0]), int(rows.size)), name=name)
-    return builder.call(torch.index_select, (source, 0, index), name=name)
 
 
 def round_schedule(layout: MicrobatchLayout, round_index: int) -> dict[str, Any]:
@@ -103,19 +106,25 @@ def round_schedule(layout: MicrobatchLayout, round_index: int) -> dict[str, Any]
 
 
 def build_linear_attention_program(layout: MicrobatchLayout, kernels=None) -> torch.fx.GraphModule:
-    """One packed chunkwise call per round, with gathers, state handoffs and output selection."""
+    """One packed chunkwise call per round, with gathers, state handoffs and output selection.
+
+    The rounds' packed inputs come from one :class:`~harts.kernels.rows.packed.RowGather` per
+    program (shared by q, k, v, decay and beta) and their outputs go back through one
+    :class:`~harts.kernels.rows.packed.RowScatter`, so each compact row's gradient is written
+    once rather than summed over full-size zero-padded gradients of every round.
+    """
     kernels = kernels or default_kernels()
     b = _ProgramBuilder()
     inputs = {name: b.graph.placeholder(name) for name in ("q", "k", "v", "log_decay", "beta")}
     scale = b.graph.placeholder("scale")
     export_round = layout.seq_round[layout.export_sequence()]
+    schedules = [round_schedule(layout, r) for r in range(layout.num_rounds)]
+    pack = b.submodule("pack_rounds", RowGather(layout.num_rows, [schedule["rows"] for schedule in schedules]))
+    packed_rounds = {name: b.call_module(pack, (node,), name=f"{name}_rounds") for name, node in inputs.items()}
     exported_by_round: dict[int, torch.fx.Node] = {}
     outputs = []
-    for r in range(layout.num_rounds):
-        schedule = round_schedule(layout, r)
-        rows = schedule["rows"]
-        index = None if _is_range(rows) else b.buffer(f"round{r}_rows", rows)
-        packed = {name: _gather(b, node, rows, index, f"{name}_round{r}") for name, node in inputs.items()}
+    for r, schedule in enumerate(schedules):
+        packed = {name: b.call(operator.getitem, (node, r), name=f"{name}_round{r}") for name, node in packed_rounds.items()}
         cu_seqlens = b.buffer(f"round{r}_cu_seqlens", schedule["cu_seqlens"])
 
         initial_state = None
@@ -149,14 +158,23 @@ def build_linear_attention_program(layout: MicrobatchLayout, kernels=None) -> to
             {"chunk_size": layout.chunk_size, "scale": scale, "initial_state": initial_state, "export_chunks": schedule["export_chunks"]},
             name=f"call_round{r}",
         )
-        output = b.call(operator.getitem, (call, 0), name=f"o_round{r}")
+        outputs.append(b.call(operator.getitem, (call, 0), name=f"o_round{r}"))
         if schedule["export_chunks"] is not None:
             exported_by_round[r] = b.call(operator.getitem, (call, 2), name=f"exported_round{r}")
-        if schedule["replay"]:
-            output = b.call(torch.index_select, (output, 0, b.buffer(f"round{r}_outputs", schedule["keep"])), name=f"out_round{r}")
-        outputs.append(output)
-    result = outputs[0] if len(outputs) == 1 else b.call(torch.cat, (outputs, 0), name="o")
-    return b.finish(result, "LinearAttentionRounds")
+    # round-major compact order: round r's own rows are the next block of rows
+    starts = layout.seq_row_start[layout.round_seq_start]
+    unpack = b.submodule("unpack_rounds", RowScatter(
+        layout.num_rows,
+        [np.arange(starts[r], starts[r + 1]) for r in range(layout.num_rounds)],
+        [schedule["keep"] for schedule in schedules],
+        [schedule["rows"].size for schedule in schedules],
+    ))
+    return b.finish(b.call_module(unpack, tuple(outputs), name="o"), "LinearAttentionRounds")
+
+
+def _zero_padded(values: torch.Tensor, slots: torch.Tensor, total: int) -> torch.Tensor:
+    """[total, ...] zeros with ``values`` in rows ``slots`` (differentiable in ``values``)."""
+    return values.new_zeros((total, *values.shape[1:])).index_copy(0, slots, values)
 
 
 def conv_context_rows(layout: MicrobatchLayout, width: int) -> np.ndarray:
@@ -183,8 +201,12 @@ def build_conv_program(layout: MicrobatchLayout, width: int, kernels=None) -> to
     context = None
     rows = conv_context_rows(layout, width)
     if width > 1 and np.any(rows >= 0):
-        padded = b.call(torch.nn.functional.pad, (x, (0, 0, 1, 0)), name="x_with_zero_row")
-        flat = b.call(torch.index_select, (padded, 0, b.buffer("context_rows", rows.reshape(-1) + 1)), name="context_rows")
+        flat_rows = rows.reshape(-1)
+        present = np.flatnonzero(flat_rows >= 0)
+        gather = b.submodule("context_view", RowGather(layout.num_rows, [flat_rows[present]]))
+        flat = b.call(operator.getitem, (b.call_module(gather, (x,), name="context_views"), 0), name="context_rows")
+        if present.size < flat_rows.size:  # windows reaching before position 0 read zeros there
+            flat = b.call(_zero_padded, (flat, b.buffer("context_slots", present), int(flat_rows.size)), name="context_slots")
         context = b.call(torch.reshape, (flat, (layout.num_sequences, width - 1, -1)), name="context")
     y = b.call(kernels.causal_conv1d, (x, weight, bias, cu_seqlens), {"context": context, "activation": activation}, name="y")
     return b.finish(y, "CausalConvView")
@@ -211,9 +233,12 @@ def build_attention_program(layout: MicrobatchLayout, kernels=None) -> torch.fx.
     v = b.graph.placeholder("v")
     scale = b.graph.placeholder("scale")
     rows, kv_offsets = attention_kv_rows(layout)
-    index = None if _is_range(rows) and rows[0] == 0 else b.buffer("kv_rows", rows)
-    k_view = k if index is None else b.call(torch.index_select, (k, 0, index), name="k_view")
-    v_view = v if index is None else b.call(torch.index_select, (v, 0, index), name="v_view")
+    if _is_range(rows) and rows[0] == 0:
+        k_view, v_view = k, v
+    else:
+        view = b.submodule("kv_view", RowGather(layout.num_rows, [rows]))
+        k_view = b.call(operator.getitem, (b.call_module(view, (k,), name="k_views"), 0), name="k_view")
+        v_view = b.call(operator.getitem, (b.call_module(view, (v,), name="v_views"), 0), name="v_view")
     cu_q = b.buffer("cu_seqlens_q", layout.seq_row_start)
     cu_k = b.buffer("cu_seqlens_k", kv_offsets)
     o = b.call(kernels.attention, (q, k_view, v_view, cu_q, cu_k), {"scale": scale, "causal": True}, name="o")
@@ -272,8 +297,9 @@ def build_program(layout: MicrobatchLayout, kind: str, kernels=None, **options) 
 
 
 def _describe(program: torch.fx.GraphModule) -> str:
-    lines = []
-    for name, tensor in program.named_buffers():
+    lines = [f"#   {name}: {module.extra_repr()}" for name, module in program.named_children()
+             if isinstance(module, (RowGather, RowScatter))]
+    for name, tensor in program.named_buffers(recurse=False):
         preview = tensor.tolist()[:12]
         more = ", ..." if tensor.numel() > 12 else ""
         lines.append(f"#   {name}: int64[{tensor.numel()}] = {str(preview)[1:-1]}{more}")

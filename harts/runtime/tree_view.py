@@ -12,8 +12,9 @@ the three sequence operators run the torch.fx programs generated from the layout
 * attention: each sequence's queries against its gathered ancestor + own keys/values,
   bottom-right causal.
 
-Gathers are ``index_select``: when several sequences read one row, backward sums their
-gradients into it. ``row_weight`` is each row's multiplicity q.
+Gathers are :class:`~harts.kernels.rows.packed.RowGather` modules: when several sequences read
+one row, backward sums their gradients into it, and a row read once gets its gradient by a
+copy. ``row_weight`` is each row's multiplicity q.
 """
 
 from __future__ import annotations

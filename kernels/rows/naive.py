@@ -1,0 +1,38 @@
+"""Reference row movement: plain ``index_select`` / ``cat``, differentiated by autograd.
+
+:func:`gather_rows` packs rows of one source into several outputs (a plan's rounds, or one key /
+value view); :func:`scatter_rows` assembles a compact tensor from pieces of several packed
+outputs, each compact row taken from exactly one of them. :mod:`.packed` has the same results
+with a cheaper backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["gather_rows", "scatter_rows"]
+
+
+def gather_rows(x: torch.Tensor, rows: Sequence[np.ndarray]) -> tuple[torch.Tensor, ...]:
+    """x [C, ...], rows: one int array per output -> (x[rows_0], x[rows_1], ...)."""
+    return tuple(x.index_select(0, torch.as_tensor(np.asarray(r, dtype=np.int64), device=x.device)) for r in rows)
+
+
+def scatter_rows(
+    packed: Sequence[torch.Tensor], destinations: Sequence[np.ndarray], positions: Sequence[np.ndarray], num_rows: int
+) -> torch.Tensor:
+    """y [num_rows, ...] with ``y[destinations[i]] = packed[i][positions[i]]``; the destinations tile the rows."""
+    pieces, order = [], []
+    for tensor, dst, pos in zip(packed, destinations, positions):
+        pieces.append(tensor.index_select(0, torch.as_tensor(np.asarray(pos, dtype=np.int64), device=tensor.device)))
+        order.append(np.asarray(dst, dtype=np.int64))
+    stacked = torch.cat(pieces)
+    where = np.concatenate(order) if order else np.zeros(0, dtype=np.int64)
+    if sorted(where.tolist()) != list(range(num_rows)):
+        raise ValueError(f"the destinations must name each of the {num_rows} rows exactly once")
+    inverse = np.empty_like(where)
+    inverse[where] = np.arange(where.size)
+    return stacked.index_select(0, torch.as_tensor(inverse, device=stacked.device))
