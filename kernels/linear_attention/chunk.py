@@ -146,7 +146,7 @@ class ChunkGatedDeltaRule(torch.autograd.Function):
         w, u, _, kg, Aqk, Akk = fla["fwd_intra"](q=q, k=k, v=v, gk=g_cumsum, beta=beta, scale=scale, **common)
         h, v_new, final_state, exported = scan_forward(
             kg[0], w[0], u[0], g_cumsum[0], initial_state, layout.cu_seqlens, layout.chunk_offsets,
-            layout.chunk_export, layout.final_export, layout.num_exports, chunk_size,
+            layout.chunk_export, layout.final_export, layout.num_exports, chunk_size, num_chunks=layout.num_chunks,
         )
         o = fla["fwd_o"](q=q, v=v_new.unsqueeze(0), g=g_cumsum, A=Aqk, h=h.unsqueeze(0), scale=scale, **common)
         ctx.save_for_backward(q, k, v, g_cumsum, beta, Aqk, Akk, initial_state)
@@ -168,7 +168,8 @@ class ChunkGatedDeltaRule(torch.autograd.Function):
             k=k, v=v, beta=beta, A=Akk, gk=g, q=q, cu_seqlens=layout.cu_seqlens, chunk_indices=layout.chunk_indices
         )
         h, v_new, _, _ = scan_forward(
-            kg[0], w[0], u[0], g[0], initial_state, layout.cu_seqlens, layout.chunk_offsets, None, None, 0, chunk_size
+            kg[0], w[0], u[0], g[0], initial_state, layout.cu_seqlens, layout.chunk_offsets, None, None, 0, chunk_size,
+            num_chunks=layout.num_chunks,
         )
         v_new = v_new.unsqueeze(0)
         dAqk, dv = fla["bwd_dAv"](q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, **common)
@@ -177,7 +178,7 @@ class ChunkGatedDeltaRule(torch.autograd.Function):
             None if d_final is None else d_final.contiguous(),
             None if d_exported is None else d_exported.contiguous(),
             initial_state is not None, layout.cu_seqlens, layout.chunk_offsets,
-            layout.chunk_export, layout.final_export, scale, chunk_size,
+            layout.chunk_export, layout.final_export, scale, chunk_size, num_chunks=layout.num_chunks,
         )
         dq, dk, dv, db, dg, dAkk = fla["bwd_wy"](
             q=q, k=k, v=v, v_new=v_new, g=g, beta=beta, A=Akk, h=h.unsqueeze(0), do=do, dh=dh.unsqueeze(0),

@@ -284,12 +284,43 @@ def _check_runnable(device: torch.device) -> None:
         )
 
 
-def _launch_shape(value_dim: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(value-column block, pipeline stages): fla's tuned H200 choice for 16-bit operands; fp32
-    tiles take twice the shared memory, so they get narrower blocks and no pipelining."""
-    if dtype.itemsize <= 2:
-        return min(64, _next_power_of_2(value_dim)), 2
-    return min(32, _next_power_of_2(value_dim)), 1
+#: CTAs per multiprocessor below which a scan splits its value columns finer (forward, reverse),
+#: from timing both on the headline plan's rounds on an H200 (benchmarks/RESULTS.md)
+_MIN_PROGRAMS_PER_SM = {"forward": 2, "reverse": 1}
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+def _launch_shape(value_dim: int, dtype: torch.dtype, state_programs: int, device: torch.device,
+                  block_v: int | None = None, scan: str = "forward") -> tuple[int, int]:
+    """(value-column block, pipeline stages) for ``state_programs`` (sequence, head) pairs.
+
+    fla's tuned H200 choice for 16-bit operands is 64 columns in 2 stages; fp32 tiles take twice
+    the shared memory, so they get 32 and no pipelining. A scan runs its chunks one after
+    another, so a call with few sequences (a plan's first rounds: one long shared prompt) is
+    latency-bound on too few CTAs; below two per multiprocessor (one for the reverse scan, whose
+    steps are heavier) the columns split finer (down to 16), which shortens each step and fills
+    the GPU. A column's arithmetic does not depend on the
+    block it sits in, so results do not change.
+    """
+    stages = 2 if dtype.itemsize <= 2 else 1
+    if block_v is not None:
+        if block_v < 16 or block_v & (block_v - 1):
+            raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
+        return block_v, stages
+    block_v = min(64 if dtype.itemsize <= 2 else 32, max(16, _next_power_of_2(value_dim)))
+    wanted = _MIN_PROGRAMS_PER_SM[scan] * _multiprocessors(device)
+    while block_v > 16 and -(-value_dim // block_v) * state_programs < wanted:
+        block_v //= 2
+    return block_v, stages
 
 
 def scan_forward(
@@ -304,24 +335,30 @@ def scan_forward(
     final_export: torch.Tensor | None,
     num_exports: int,
     chunk_size: int,
+    *,
+    num_chunks: int | None = None,
+    block_v: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward state scan; tensors are [T, H, *] (no batch dim).
 
     Returns ``h`` [NT, H, K, V] (kg's dtype), ``v_new`` [T, H, V] (u's dtype), the final states
-    [N, H, K, V] and the exported states [E, H, K, V] (both fp32).
+    [N, H, K, V] and the exported states [E, H, K, V] (both fp32). ``num_chunks`` (NT, the last
+    entry of ``chunk_offsets``) should come from the host: reading it from a CUDA tensor waits for
+    the whole queue. ``block_v`` overrides the value-column block (:func:`_launch_shape`).
     """
     _check_runnable(kg.device)
     total, heads, key_dim = kg.shape
     value_dim = u.shape[-1]
     num_sequences = cu_seqlens.numel() - 1
-    num_chunks = int(chunk_offsets[-1]) if chunk_offsets.numel() else 0
+    if num_chunks is None:
+        num_chunks = int(chunk_offsets[-1]) if chunk_offsets.numel() else 0
     h = kg.new_empty(num_chunks, heads, key_dim, value_dim)
     v_new = torch.empty_like(u)
     final_state = kg.new_empty(num_sequences, heads, key_dim, value_dim, dtype=torch.float32)
     exported = kg.new_empty(num_exports, heads, key_dim, value_dim, dtype=torch.float32)
     has_exports = num_exports > 0
     dummy = final_state
-    block_v, stages = _launch_shape(value_dim, kg.dtype)
+    block_v, stages = _launch_shape(value_dim, kg.dtype, num_sequences * heads, kg.device, block_v)
     grid = (triton.cdiv(value_dim, block_v), num_sequences * heads)
     if grid[1] == 0:
         return h, v_new, final_state, exported
@@ -356,19 +393,24 @@ def scan_backward(
     final_export: torch.Tensor | None,
     scale: float,
     chunk_size: int,
+    *,
+    num_chunks: int | None = None,
+    block_v: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Reverse state scan: ``dh`` [NT, H, K, V] (qg's dtype), ``dh0`` [N, H, K, V] fp32 (or None), ``dv2``."""
+    """Reverse state scan: ``dh`` [NT, H, K, V] (qg's dtype), ``dh0`` [N, H, K, V] fp32 (or None), ``dv2``;
+    ``num_chunks`` and ``block_v`` as in :func:`scan_forward`."""
     _check_runnable(qg.device)
     total, heads, key_dim = qg.shape
     value_dim = do.shape[-1]
     num_sequences = cu_seqlens.numel() - 1
-    num_chunks = int(chunk_offsets[-1]) if chunk_offsets.numel() else 0
+    if num_chunks is None:
+        num_chunks = int(chunk_offsets[-1]) if chunk_offsets.numel() else 0
     dh = qg.new_empty(num_chunks, heads, key_dim, value_dim)
     dv2 = torch.empty_like(dv)
     dh0 = qg.new_empty(num_sequences, heads, key_dim, value_dim, dtype=torch.float32) if has_initial_state else None
     has_exports = d_exported is not None and d_exported.shape[0] > 0
     dummy = dv2
-    block_v, stages = _launch_shape(value_dim, qg.dtype)
+    block_v, stages = _launch_shape(value_dim, qg.dtype, num_sequences * heads, qg.device, block_v, "reverse")
     grid = (triton.cdiv(value_dim, block_v), num_sequences * heads)
     if grid[1] == 0:
         return dh, dh0, dv2

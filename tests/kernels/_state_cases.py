@@ -29,7 +29,8 @@ def export_maps(counts, offsets, requests):
     return chunk_export, final_export
 
 
-def run_case(seed: int, lengths: list[int], chunk_size: int, heads: int, key_dim: int, value_dim: int) -> dict:
+def run_case(seed: int, lengths: list[int], chunk_size: int, heads: int, key_dim: int, value_dim: int,
+             block_v: int | None = None) -> dict:
     from harts.kernels.linear_attention.state import scan_backward, scan_forward, scan_reference
 
     rng = np.random.default_rng(seed)
@@ -57,7 +58,7 @@ def run_case(seed: int, lengths: list[int], chunk_size: int, heads: int, key_dim
 
     h, v_new, final, exported = scan_forward(
         kg.detach().float(), w.detach().float(), u.detach().float(), gk.detach().float(), h0.detach().float(),
-        cu, co, chunk_export, final_export, len(requests), chunk_size,
+        cu, co, chunk_export, final_export, len(requests), chunk_size, num_chunks=offsets[-1], block_v=block_v,
     )
     starts, v_ref, final_ref, exported_ref = scan_reference(kg, w, u, gk, h0, bounds, chunk_size, requests)
     errors = {
@@ -84,6 +85,7 @@ def run_case(seed: int, lengths: list[int], chunk_size: int, heads: int, key_dim
     dh, dh0, dv2 = scan_backward(
         qg.detach().float(), kg.detach().float(), w.detach().float(), gk.detach().float(), do.float(), dv.float(),
         d_final.float(), d_exported.float(), True, cu, co, chunk_export, final_export, scale, chunk_size,
+        num_chunks=offsets[-1], block_v=block_v,
     )
     # dh[j]: gradient of the state at the end of chunk j (the next chunk's start, or the final state)
     want_dh = []
@@ -109,6 +111,9 @@ CASES = [
     dict(seed=0, lengths=[15, 16, 17, 0, 40, 1], chunk_size=16, heads=2, key_dim=16, value_dim=8),
     # head dims that are not powers of two and a value dim split over several program blocks
     dict(seed=1, lengths=[33, 7, 64], chunk_size=32, heads=1, key_dim=24, value_dim=40),
+    # the narrowest value-column block a scan with few sequences takes, whole and partial
+    dict(seed=0, lengths=[15, 16, 17, 0, 40, 1], chunk_size=16, heads=2, key_dim=16, value_dim=8, block_v=16),
+    dict(seed=1, lengths=[33, 7, 64], chunk_size=32, heads=1, key_dim=24, value_dim=40, block_v=16),
 ]
 
 
