@@ -38,13 +38,10 @@ def family_of(name: str) -> str:
     return OTHER
 
 
-def seconds_by_family(profiler, device_type: str) -> dict[str, float]:
-    """Self time per family of one profiled region: device kernels on CUDA, CPU operators elsewhere.
-
-    Self times add up to the region's total without double counting nested operators.
-    """
-    totals = {family: 0.0 for family, _ in FAMILIES}
-    totals[OTHER] = 0.0
+def _self_seconds(profiler, device_type: str):
+    """(name, self seconds, calls) of every operator or kernel of one profiled region: device kernels
+    on CUDA, aten operators elsewhere. Self times add up to the region's total without double
+    counting nested operators."""
     for event in profiler.key_averages():
         if device_type == "cuda":
             if event.device_type != torch.autograd.DeviceType.CUDA:
@@ -55,8 +52,24 @@ def seconds_by_family(profiler, device_type: str) -> dict[str, float]:
             if not event.key.startswith("aten::"):
                 continue  # python ranges and autograd wrappers: their aten children carry the time
         if seconds > 0:
-            totals[family_of(event.key)] += seconds
+            yield event.key, seconds, event.count
+
+
+def seconds_by_family(profiler, device_type: str) -> dict[str, float]:
+    """Self time per family (:data:`FAMILIES`) of one profiled region."""
+    totals = {family: 0.0 for family, _ in FAMILIES}
+    totals[OTHER] = 0.0
+    for name, seconds, _ in _self_seconds(profiler, device_type):
+        totals[family_of(name)] += seconds
     return totals
+
+
+def seconds_by_kernel(profiler, device_type: str) -> list[dict]:
+    """Every kernel (CUDA) or aten operator of one profiled region with its self seconds, call count
+    and family, longest first: the table to compare two passes kernel by kernel."""
+    rows = [{"name": name, "seconds": seconds, "calls": calls, "family": family_of(name)}
+            for name, seconds, calls in _self_seconds(profiler, device_type)]
+    return sorted(rows, key=lambda row: -row["seconds"])
 
 
 def profile_seconds_by_family(run, device: torch.device) -> dict[str, float]:

@@ -12,6 +12,8 @@ from harts_bench.profiling import (
     family_of,
     plan_attention_pairs,
     profile_seconds_by_family,
+    seconds_by_family,
+    seconds_by_kernel,
 )
 
 
@@ -56,6 +58,22 @@ def test_a_cpu_profile_puts_matmuls_and_gathers_in_their_families():
     seconds = profile_seconds_by_family(run, torch.device("cpu"))
     assert seconds["matmul"] > 0 and seconds["gather / scatter"] > 0
     assert seconds["linear attention"] == 0 and seconds["causal conv"] == 0
+
+
+def test_the_kernel_table_sums_to_the_family_table():
+    from torch.profiler import ProfilerActivity, profile
+
+    a, b = torch.randn(128, 128), torch.randn(128, 128)
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        for _ in range(4):
+            torch.softmax(a @ b, dim=-1).sum()
+    kernels = seconds_by_kernel(profiler, "cpu")
+    families = seconds_by_family(profiler, "cpu")
+    assert [row["seconds"] for row in kernels] == sorted((row["seconds"] for row in kernels), reverse=True)
+    mm = next(row for row in kernels if row["name"] == "aten::mm")
+    assert mm["calls"] == 4 and mm["family"] == "matmul"
+    for family, seconds in families.items():
+        assert sum(row["seconds"] for row in kernels if row["family"] == family) == pytest.approx(seconds)
 
 
 def plan_layouts(trajectories, chunk_size):
