@@ -12,7 +12,10 @@ and the tests hold every fast path to its reference, forward and backward.
 * ``conv/``: packed varlen depthwise causal convolution with per-sequence context;
 * ``attention/``: packed softmax attention with separate query and key spans, bottom-right
   causal (``naive``, ``varlen`` FlashAttention-2, ``tree_mask`` FlexAttention over one KV buffer);
-* ``moe/``: routed SwiGLU experts (``naive`` per expert, ``grouped`` grouped GEMMs).
+* ``moe/``: routed SwiGLU experts (``naive`` per expert, ``grouped`` grouped GEMMs);
+* ``rows/``: row packing between compact rows and the sequence kernels' packed inputs
+  (``naive`` index_select / cat, ``packed`` the generated programs' modules, whose backward
+  writes each row's gradient once).
 
 :mod:`harts.kernels.naive` gathers the references into one namespace and
 :mod:`harts.kernels.dispatch` picks the fast path per call (see :class:`~.dispatch.Dispatch`).
