@@ -47,11 +47,11 @@ class _Indices(nn.Module):
         self._spans: dict[str, tuple[int, int] | None] = {}
         self._sizes: dict[str, int] = {}
 
-    def add(self, name: str, rows: np.ndarray, *, as_tensor: bool = False) -> None:
-        """Register ``rows`` under ``name``; ``as_tensor`` keeps a buffer even for a contiguous range."""
+    def add(self, name: str, rows: np.ndarray) -> None:
+        """Register ``rows`` under ``name``."""
         rows = np.asarray(rows, dtype=np.int64)
         self._sizes[name] = int(rows.size)
-        self._spans[name] = None if as_tensor else _span(rows)
+        self._spans[name] = _span(rows)
         if self._spans[name] is None and rows.size:
             self.register_buffer(name, torch.as_tensor(rows))
 
@@ -86,6 +86,14 @@ class _Indices(nn.Module):
             target.narrow(0, *span).copy_(values)
         elif self._sizes[name]:
             target.index_copy_(0, getattr(self, name), values)
+
+    def accumulate(self, target: torch.Tensor, name: str, values: torch.Tensor) -> None:
+        """``target[rows] += values``, repeated rows summing."""
+        span = self._spans[name]
+        if span is not None:
+            target.narrow(0, *span).add_(values)
+        elif self._sizes[name]:
+            target.index_add_(0, getattr(self, name), values)
 
     def zero(self, target: torch.Tensor, name: str) -> None:
         """``target[rows] = 0``."""
@@ -122,21 +130,18 @@ class RowGather(nn.Module):
         is_first[first] = True
         self.covers_all_rows = first.size == self.num_rows
         offsets = np.concatenate([[0], np.cumsum([r.size for r in rows])]).astype(np.int64)
-        repeated = []
         for i, r in enumerate(rows):
             mine = is_first[offsets[i] : offsets[i + 1]]
             self.index.add(f"rows{i}", r)
             self.index.add(f"first_positions{i}", np.flatnonzero(mine))
             self.index.add(f"first_rows{i}", r[mine])
             self.index.add(f"repeat_positions{i}", np.flatnonzero(~mine))
-            self.index.add(f"repeat_rows{i}", r[~mine], as_tensor=True)
-            repeated.append(r[~mine])
-        self.index.add("repeat_rows", np.concatenate(repeated) if repeated else np.zeros(0, dtype=np.int64),
-                       as_tensor=True)
+            self.index.add(f"repeat_rows{i}", r[~mine])
 
     def extra_repr(self) -> str:
         sizes = [self.index.size(f"rows{i}") for i in range(self.num_outputs)]
-        return f"num_rows={self.num_rows}, outputs={sizes}, repeats={self.index.size('repeat_rows')}"
+        repeats = sum(self.index.size(f"repeat_rows{i}") for i in range(self.num_outputs))
+        return f"num_rows={self.num_rows}, outputs={sizes}, repeats={repeats}"
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if x.shape[0] != self.num_rows:
@@ -158,14 +163,9 @@ class RowGather(nn.Module):
                 index.take_into(target, g, f"first_positions{i}")
             else:
                 index.put(grad, f"first_rows{i}", index.take(g, f"first_positions{i}"))
-        with_repeats = [i for i in range(self.num_outputs) if index.size(f"repeat_positions{i}")]
-        if all(grads[i] is not None for i in with_repeats) and len(with_repeats) > 1:
-            values = torch.cat([index.take(grads[i], f"repeat_positions{i}") for i in with_repeats])
-            grad.index_add_(0, index.repeat_rows, values)
-        else:
-            for i in with_repeats:
-                if grads[i] is not None:
-                    grad.index_add_(0, getattr(index, f"repeat_rows{i}"), index.take(grads[i], f"repeat_positions{i}"))
+        for i, g in enumerate(grads):
+            if g is not None:
+                index.accumulate(grad, f"repeat_rows{i}", index.take(g, f"repeat_positions{i}"))
         return grad
 
 
