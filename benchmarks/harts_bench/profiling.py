@@ -72,18 +72,6 @@ def seconds_by_kernel(profiler, device_type: str) -> list[dict]:
     return sorted(rows, key=lambda row: -row["seconds"])
 
 
-def profile_seconds_by_family(run, device: torch.device) -> dict[str, float]:
-    """Run ``run()`` once under torch.profiler and return :func:`seconds_by_family` of it."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as profiler:
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    return seconds_by_family(profiler, device.type)
-
-
 def causal_attention_pairs(lengths) -> float:
     """Query-key pairs of causal attention over whole trajectories: sum of L (L + 1) / 2."""
     lengths = np.asarray(lengths, dtype=np.float64)

@@ -33,7 +33,7 @@ import torch.fx
 
 from harts.ir.layout import MicrobatchLayout
 from harts.kernels import dispatch
-from harts.kernels.rows.packed import RowGather, RowScatter
+from harts.kernels.rows.packed import RowGather, RowScatter, contiguous_span
 from harts.numerics import compact_log_probs
 
 #: The kinds of program a layout lowers to (one per sequence operator, plus log-probs).
@@ -71,10 +71,6 @@ class _ProgramBuilder:
         self.graph.output(outputs)
         self.graph.lint()
         return torch.fx.GraphModule(self.root, self.graph, class_name=class_name)
-
-
-def _is_range(rows: np.ndarray) -> bool:
-    return rows.size > 0 and bool(np.array_equal(rows, np.arange(rows[0], rows[0] + rows.size)))
 
 
 def round_schedule(layout: MicrobatchLayout, round_index: int) -> dict[str, Any]:
@@ -233,7 +229,7 @@ def build_attention_program(layout: MicrobatchLayout, kernels=None) -> torch.fx.
     v = b.graph.placeholder("v")
     scale = b.graph.placeholder("scale")
     rows, kv_offsets = attention_kv_rows(layout)
-    if _is_range(rows) and rows[0] == 0:
+    if contiguous_span(rows) == (0, layout.num_rows):  # every sequence reads only its own rows
         k_view, v_view = k, v
     else:
         view = b.submodule("kv_view", RowGather(layout.num_rows, [rows]))

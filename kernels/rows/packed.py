@@ -29,10 +29,10 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-__all__ = ["RowGather", "RowScatter"]
+__all__ = ["RowGather", "RowScatter", "contiguous_span"]
 
 
-def _span(rows: np.ndarray) -> tuple[int, int] | None:
+def contiguous_span(rows: np.ndarray) -> tuple[int, int] | None:
     """(start, length) when ``rows`` is one ascending contiguous range, else None."""
     if rows.size and rows[-1] - rows[0] == rows.size - 1 and np.all(np.diff(rows) == 1):
         return int(rows[0]), int(rows.size)
@@ -51,7 +51,7 @@ class _Indices(nn.Module):
         """Register ``rows`` under ``name``."""
         rows = np.asarray(rows, dtype=np.int64)
         self._sizes[name] = int(rows.size)
-        self._spans[name] = _span(rows)
+        self._spans[name] = contiguous_span(rows)
         if self._spans[name] is None and rows.size:
             self.register_buffer(name, torch.as_tensor(rows))
 
