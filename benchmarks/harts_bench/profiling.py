@@ -112,3 +112,91 @@ def format_excess(rows: dict[str, dict]) -> str:
     for family, row in rows.items():
         lines.append(f"{family:<22} {row['baseline']:>11.3f} {row['ideal']:>14.3f} {row['harts']:>9.3f} {row['excess']:>+9.3f}")
     return "\n".join(lines)
+
+
+def idle_gaps(intervals, edges_us=(10.0, 100.0, 1000.0)) -> dict:
+    """Where a device sat idle between its kernels: ``intervals`` are (start, end) in microseconds.
+
+    Overlapping kernels (several streams) are merged first. Returns the busy and idle
+    microseconds between the first start and the last end, and the idle time and count of gaps
+    by size (``edges_us`` bound the buckets): many short gaps mean the host could not launch
+    kernels as fast as the device ran them, a few long ones a host wait (a sync) or host work.
+    """
+    spans = sorted((float(a), float(b)) for a, b in intervals if b > a)
+    labels = [f"< {edges_us[0]:g} us"] + [f"{lo:g}-{hi:g} us" for lo, hi in zip(edges_us, edges_us[1:])]
+    labels.append(f">= {edges_us[-1]:g} us")
+    buckets = {label: {"idle_us": 0.0, "gaps": 0} for label in labels}
+    if not spans:
+        return {"busy_us": 0.0, "idle_us": 0.0, "by_gap": buckets}
+    busy, idle = 0.0, 0.0
+    start, end = spans[0]
+    for a, b in spans[1:]:
+        if a <= end:
+            end = max(end, b)
+            continue
+        busy += end - start
+        gap = a - end
+        idle += gap
+        label = labels[int(np.searchsorted(np.asarray(edges_us), gap, side="right"))]
+        buckets[label]["idle_us"] += gap
+        buckets[label]["gaps"] += 1
+        start, end = a, b
+    busy += end - start
+    return {"busy_us": busy, "idle_us": idle, "by_gap": buckets}
+
+
+def kernel_intervals(profiler) -> list[tuple[float, float]]:
+    """(start, end) microseconds of every device kernel and memory operation of a profiled region."""
+    return [(event.time_range.start, event.time_range.end) for event in profiler.events()
+            if event.device_type == torch.autograd.DeviceType.CUDA]
+
+
+class SyncSites:
+    """Count the host-device synchronisations of a region, by the source line that caused them.
+
+    Inside the block ``torch.cuda.set_sync_debug_mode("warn")`` makes every synchronising CUDA
+    call warn; the warnings are recorded, not shown, keyed by the innermost frame of our own code
+    (``harts``, ``kernels``, ``harts_bench``) or fla's, else the innermost caller. A synchronisation inside a backward is
+    re-raised by autograd at the ``backward()`` call, so those sites read as that call.
+    """
+
+    OWN_CODE = ("/harts/", "/kernels/", "/harts_bench/", "/fla/")
+
+    def __init__(self) -> None:
+        self.sites: dict[str, int] = {}
+
+    def __enter__(self) -> "SyncSites":
+        import traceback
+        import warnings
+
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.simplefilter("always")
+        self._previous_mode = torch.cuda.get_sync_debug_mode()
+
+        self._recording = False
+        this_file = __file__
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            if not self._recording or "synchroniz" not in str(message):
+                return  # switching the mode itself warns; that is not the region's sync
+            frames = [f for f in traceback.extract_stack()[:-1]
+                      if f.filename != this_file and not f.filename.endswith("warnings.py")]
+            own = [f for f in frames if any(part in f.filename for part in self.OWN_CODE)]
+            frame = (own or frames)[-1] if frames else None
+            where = f"{frame.filename.split('/')[-1]}:{frame.lineno} {frame.line}" if frame else f"{filename}:{lineno}"
+            self.sites[where] = self.sites.get(where, 0) + 1
+
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        self._recording = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._recording = False
+        torch.cuda.set_sync_debug_mode(self._previous_mode)
+        self._catch.__exit__(*exc)
+
+    def table(self) -> list[dict]:
+        """The sites, most frequent first."""
+        return [{"site": site, "count": count} for site, count in sorted(self.sites.items(), key=lambda kv: -kv[1])]

@@ -100,6 +100,9 @@ from harts_bench.profiling import (
     excess_over_compression,
     format_excess,
     plan_attention_pairs,
+    SyncSites,
+    idle_gaps,
+    kernel_intervals,
     seconds_by_family,
     seconds_by_kernel,
 )
@@ -147,9 +150,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--attention-repeats", type=int, default=10, help="timed calls per path in --attention-bench")
     parser.add_argument("--attention-microbatches", type=int, default=None,
                         help="time only the first N microbatches in --attention-bench (default: all)")
-    parser.add_argument("--profile", action="store_true",
-                        help="print a torch.profiler table of one baseline and one HARTS pass (after warm-up) and "
-                             "their self time by operator family against baseline / compression (profile_by_family)")
+    parser.add_argument("--profile", nargs="?", const="both", choices=("both", "harts"), default=None,
+                        help="print a torch.profiler table of one baseline and one HARTS pass (after warm-up; "
+                             "'--profile harts': the HARTS pass only), their self time by operator family against "
+                             "baseline / compression (profile_by_family), per-kernel tables and the device's idle gaps")
+    parser.add_argument("--sync-debug", action="store_true",
+                        help="after the timed passes, count one HARTS pass's host-device synchronisations by source line")
     return parser.parse_args(argv)
 
 
@@ -640,6 +646,16 @@ def first_training_step(model, plan, batch, kernels, device) -> None:
     del optimizer
 
 
+def write_results(path, results: dict) -> None:
+    """Write the results so far (atomically: a run cut short keeps its last complete file)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    partial.write_text(json.dumps(results, indent=2, default=str))
+    partial.replace(out)
+    say(f"wrote {out}")
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -805,23 +821,6 @@ def main(argv=None) -> dict:
             del no_replay
         del reference, rerun, repacked, compact
 
-    if args.profile:
-        run_baseline = lambda: baseline_pass(model, batch, groups, chunk_size, stock, num_trajectories)  # noqa: E731
-        run_harts = lambda: harts_pass(model, plan, batch, kernels, num_trajectories)  # noqa: E731
-        by_family, results["profile_kernels"] = {}, {}
-        for name, run in (("baseline", run_baseline), ("harts", run_harts)):
-            profiler, wall = profile_pass(name, run, model)
-            by_family[name] = seconds_by_family(profiler, device.type)
-            kernels_table = seconds_by_kernel(profiler, device.type)
-            busy = sum(row["seconds"] for row in kernels_table)
-            results["profile_kernels"][name] = {"wall_seconds": wall, "busy_seconds": busy, "kernels": kernels_table}
-            say(f"{name}: {wall:.3f} s wall under the profiler, {busy:.3f} s of kernels ({wall - busy:+.3f} s idle or overlapped)")
-        results["profile_by_family"] = excess_over_compression(
-            by_family["baseline"], by_family["harts"], results["compression"],
-            {"full attention": results["attention_pair_compression"]})
-        say("where HARTS spends more than baseline / compression (self time by operator family, one pass each):\n"
-            + format_excess(results["profile_by_family"]))
-
     reference_seconds = baseline_fla["mean_seconds"]
     results["speedup_vs_fla_baseline"] = reference_seconds / harts_result["mean_seconds"]
     results["core_vs_fla_baseline"] = reference_seconds / results["core"]["mean_seconds"]
@@ -834,10 +833,8 @@ def main(argv=None) -> dict:
         results["node_at_a_time_speedup"] = reference_seconds / results["node_at_a_time"]["mean_seconds"]
         results["harts_vs_node_at_a_time_speedup"] = results["node_at_a_time"]["mean_seconds"] / harts_result["mean_seconds"]
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2, default=str))
-    say(f"wrote {out}")
+    # written and printed before the optional diagnostics, so a run cut short in them keeps its figures
+    write_results(args.out, results)
     fidelity = results.get("fidelity", {})
     print(
         f"headline-fla: compression={results['compression']:.4f} "
@@ -847,6 +844,44 @@ def main(argv=None) -> dict:
         f"cosine={fidelity.get('cosine', float('nan')):.8f} first_step_seconds={first_step_seconds:.1f}",
         flush=True,
     )
+
+    if args.sync_debug and device.type == "cuda":
+        with SyncSites() as syncs:
+            harts_pass(model, plan, batch, kernels, num_trajectories)
+            synchronize(device)
+        model.zero_grad(set_to_none=True)
+        results["harts_sync_sites"] = syncs.table()
+        say(f"harts: {sum(syncs.sites.values())} host-device synchronisations in one pass:\n"
+            + "\n".join(f"  {row['count']:>6}  {row['site']}" for row in results["harts_sync_sites"][:20]))
+        write_results(args.out, results)
+
+    if args.profile:
+        run_baseline = lambda: baseline_pass(model, batch, groups, chunk_size, stock, num_trajectories)  # noqa: E731
+        run_harts = lambda: harts_pass(model, plan, batch, kernels, num_trajectories)  # noqa: E731
+        passes = (("baseline", run_baseline), ("harts", run_harts)) if args.profile == "both" else (("harts", run_harts),)
+        by_family, results["profile_kernels"] = {}, {}
+        for name, run in passes:
+            profiler, wall = profile_pass(name, run, model)
+            by_family[name] = seconds_by_family(profiler, device.type)
+            kernels_table = seconds_by_kernel(profiler, device.type)
+            busy = sum(row["seconds"] for row in kernels_table)
+            gaps = idle_gaps(kernel_intervals(profiler)) if device.type == "cuda" else None
+            results["profile_kernels"][name] = {"wall_seconds": wall, "busy_seconds": busy, "kernels": kernels_table,
+                                                "device_gaps": gaps}
+            say(f"{name}: {wall:.3f} s wall under the profiler, {busy:.3f} s of kernels ({wall - busy:+.3f} s idle or overlapped)")
+            if gaps is not None:
+                say(f"{name}: device idle {gaps['idle_us'] * 1e-6:.3f} s between its first and last kernel: "
+                    + ", ".join(f"{label} {row['idle_us'] * 1e-6:.3f} s in {row['gaps']} gaps"
+                                for label, row in gaps["by_gap"].items()))
+            del profiler
+            write_results(args.out, results)
+        if "baseline" in by_family:
+            results["profile_by_family"] = excess_over_compression(
+                by_family["baseline"], by_family["harts"], results["compression"],
+                {"full attention": results["attention_pair_compression"]})
+            say("where HARTS spends more than baseline / compression (self time by operator family, one pass each):\n"
+                + format_excess(results["profile_by_family"]))
+            write_results(args.out, results)
     return results
 
 

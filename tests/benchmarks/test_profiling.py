@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from harts_bench.profiling import (
     OTHER,
     causal_attention_pairs,
     excess_over_compression,
     family_of,
+    idle_gaps,
     plan_attention_pairs,
     seconds_by_family,
     seconds_by_kernel,
@@ -107,3 +110,50 @@ def test_a_family_with_its_own_compression_gets_its_own_ideal():
                                    compression=5.0, family_compression={"full attention": 4.0})
     assert rows["full attention"]["ideal"] == 2.0 and rows["matmul"]["ideal"] == 2.0
     assert rows["total"]["excess"] == pytest.approx(0.5)
+
+
+def test_idle_gaps_merge_overlapping_kernels_and_bucket_the_gaps():
+    # two streams overlap in [0, 12); then gaps of 3, 50 and 2000 us
+    intervals = [(0, 10), (5, 12), (15, 20), (70, 80), (2080, 2100)]
+    gaps = idle_gaps(intervals, edges_us=(10.0, 100.0, 1000.0))
+    assert gaps["busy_us"] == pytest.approx(12 + 5 + 10 + 20)
+    assert gaps["idle_us"] == pytest.approx(3 + 50 + 2000)
+    assert gaps["busy_us"] + gaps["idle_us"] == pytest.approx(2100)
+    by_gap = gaps["by_gap"]
+    assert by_gap["< 10 us"] == {"idle_us": 3.0, "gaps": 1}
+    assert by_gap["10-100 us"] == {"idle_us": 50.0, "gaps": 1}
+    assert by_gap["100-1000 us"] == {"idle_us": 0.0, "gaps": 0}
+    assert by_gap[">= 1000 us"] == {"idle_us": 2000.0, "gaps": 1}
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 10_000), st.integers(1, 500)), max_size=40))
+def test_idle_gaps_add_up_to_the_span_for_any_kernels(starts_and_lengths):
+    intervals = [(start, start + length) for start, length in starts_and_lengths]
+    gaps = idle_gaps(intervals)
+    if not intervals:
+        assert gaps["busy_us"] == gaps["idle_us"] == 0.0
+        return
+    span = max(b for _, b in intervals) - min(a for a, _ in intervals)
+    assert gaps["busy_us"] + gaps["idle_us"] == pytest.approx(span)
+    assert sum(row["idle_us"] for row in gaps["by_gap"].values()) == pytest.approx(gaps["idle_us"])
+    covered = set()
+    for a, b in intervals:
+        covered.update(range(a, b))
+    assert gaps["busy_us"] == pytest.approx(len(covered))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sync_sites_count_each_host_read_by_its_line():
+    from harts_bench.profiling import SyncSites
+
+    x = torch.ones(8, device="cuda")
+    with SyncSites() as syncs:
+        for _ in range(3):
+            float(x.sum())  # a host read: one sync each
+        y = x * 2  # queued, never read
+    assert sum(syncs.sites.values()) == 3, syncs.sites
+    ((site, count),) = syncs.sites.items()
+    assert count == 3 and "float(x.sum())" in site
+    assert torch.cuda.get_sync_debug_mode() == 0 and y.shape == x.shape
