@@ -147,7 +147,21 @@ def token_metadata(
                 f"trajectory {trajectory}: field '{name}' has {array.shape[0] if array.dim() == 1 else tuple(array.shape)} entries, "
                 f"expected {expected}"
             )
-    return torch.cat([p.to(device) for p in pieces]) if pieces else torch.zeros(0, dtype=dtype, device=device)
+    if not pieces:
+        return torch.zeros(0, dtype=dtype, device=device)
+    return _packed_on(pieces, device)
+
+
+def _packed_on(pieces: list[torch.Tensor], device) -> torch.Tensor:
+    """The pieces concatenated on ``device``: host pieces go in one copy, from pinned memory to a GPU,
+    which does not wait for the queued kernels (a copy per piece from pageable memory waits each time)."""
+    if device is None or any(p.device.type != "cpu" for p in pieces):
+        return torch.cat([p.to(device) for p in pieces])
+    host = torch.cat(pieces)
+    target = torch.device(device)
+    if target.type == "cuda":
+        return host.pin_memory().to(target, non_blocking=True)
+    return host.to(target)
 
 
 def loss_denominator(loss_mask: Any, cu_seqlens: torch.Tensor, reduction: str) -> float | None:

@@ -11,6 +11,9 @@ gathered from.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
+import numpy as np
 import torch
 
 from ..fla_setup import configure_fla
@@ -27,6 +30,37 @@ __all__ = ["causal_conv1d", "fla_conv_available"]
 _DTYPES = (torch.bfloat16,)
 _TUNED_ACTIVATIONS = ("silu", "swish")
 _fla_causal_conv1d = None
+
+#: fla's kernels tile each sequence into blocks of this many rows (its default ``chunk_size``)
+_BLOCK_ROWS = 64
+_LAYOUT_CACHE_SIZE = 64
+_layouts: OrderedDict = OrderedDict()
+
+
+def _call_layout(bounds: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cu_seqlens int32 on device, its host copy, fla's [blocks, 2] (sequence, block) table), built once per bounds.
+
+    Without the table fla builds it on every call from a fresh host copy of the bounds, and that
+    copy to the device waits for the whole queue: a sync per call, in the baseline's layers and
+    HARTS' alike. Every layer of a microbatch makes the same calls, so the tensors are cached.
+    """
+    key = (bounds.tobytes(), str(device))
+    layout = _layouts.get(key)
+    if layout is None:
+        blocks = -(-np.diff(bounds) // _BLOCK_ROWS)
+        sequence = np.repeat(np.arange(blocks.size, dtype=np.int32), blocks)
+        within = np.arange(sequence.size, dtype=np.int32) - np.repeat(np.cumsum(blocks) - blocks, blocks).astype(np.int32)
+        layout = (
+            torch.as_tensor(bounds.astype(np.int32), device=device),
+            torch.as_tensor(bounds.astype(np.int32)),
+            torch.as_tensor(np.stack([sequence, within], axis=1), device=device),
+        )
+        _layouts[key] = layout
+        if len(_layouts) > _LAYOUT_CACHE_SIZE:
+            _layouts.popitem(last=False)
+    else:
+        _layouts.move_to_end(key)
+    return layout
 
 
 def _load():
@@ -76,13 +110,16 @@ def causal_conv1d(
     if context is not None:
         unread_slot = x.new_zeros(num_sequences, channels, 1)
         initial_state = torch.cat([unread_slot, context.to(x.dtype).transpose(1, 2)], dim=2)  # [N, D, W]
+    device_bounds, host_bounds, block_table = _call_layout(bounds, x.device)
     y, _ = fla_causal_conv1d(
         x.unsqueeze(0),  # [1, T, D]
         weight=weight.to(x.dtype).contiguous(),
         bias=None if bias is None else bias.to(x.dtype),
         initial_state=initial_state,
         activation=None if activation == "identity" else activation,
-        cu_seqlens=cu_seqlens.to(device=x.device, dtype=torch.int32),
-        cu_seqlens_cpu=torch.tensor(bounds, dtype=torch.int32),
+        cu_seqlens=device_bounds,
+        cu_seqlens_cpu=host_bounds,
+        chunk_indices=block_table,
+        chunk_size=_BLOCK_ROWS,
     )
     return y.squeeze(0)

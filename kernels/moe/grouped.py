@@ -8,8 +8,9 @@ Same signature and math as :func:`harts.kernels.moe.naive.moe_experts` (HF 3-D e
 The (row, slot) assignments are sorted by expert once, so each expert owns one contiguous
 segment of the gathered rows; the two projections then run as one grouped GEMM each
 (``torch._grouped_mm`` with per-expert row offsets) on CUDA in bf16 where PyTorch provides
-it, otherwise as one matmul per non-empty segment (one host sync for the segment sizes,
-instead of the reference's per-expert ``where``). Results return to (row, slot) order by a
+it (segment ends found by a search in the sorted expert ids, no host sync), otherwise as one
+matmul per non-empty segment (one host sync for the segment sizes, instead of the reference's
+per-expert ``where``). Results return to (row, slot) order by a
 gather and are combined with the routing weights in fp32; no atomic adds, so reruns are
 bitwise identical. Each compact row is routed and computed once (paper §4.2).
 """
@@ -56,16 +57,19 @@ def moe_experts(
     order = torch.argsort(flat, stable=True)
     source_rows = torch.div(order, top_k, rounding_mode="floor")
     gathered = x.index_select(0, source_rows)  # [C*k, D] grouped by expert
-    counts = torch.bincount(flat, minlength=num_experts)
     gate_up_t = gate_up_proj.transpose(1, 2)  # [E, D, 2I]
     down_t = down_proj.transpose(1, 2)  # [E, I, D]
     if grouped_mm_available(x):
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        # each expert's segment end, found in the sorted ids: bincount would read the largest id
+        # on the host, a sync per layer that drains the GPU's queue
+        sorted_experts = flat.index_select(0, order)
+        ends = torch.arange(1, num_experts + 1, device=flat.device, dtype=flat.dtype)
+        offsets = torch.searchsorted(sorted_experts, ends).to(torch.int32)
         hidden = torch._grouped_mm(gathered, gate_up_t.to(x.dtype), offs=offsets)
         gate, up = hidden.chunk(2, dim=-1)
         y = torch._grouped_mm(F.silu(gate) * up, down_t.to(x.dtype), offs=offsets)
     else:
-        sizes = counts.tolist()
+        sizes = torch.bincount(flat, minlength=num_experts).tolist()
         gate, up = _segment_matmuls(gathered, gate_up_t.to(x.dtype), sizes).chunk(2, dim=-1)
         y = _segment_matmuls(F.silu(gate) * up, down_t.to(x.dtype), sizes)
     # back to (row, slot) order by a gather (no atomics: deterministic), then the weighted sum

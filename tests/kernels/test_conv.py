@@ -96,3 +96,25 @@ def test_dispatch_sends_only_tuned_gpu_convolutions_to_fla():
     assert not Dispatch("auto").uses_fast_conv(x.double(), weight.double(), None, "silu")
     assert not Dispatch("auto").uses_fast_conv(low_x, low_weight, torch.zeros(8, device=DEVICE), "silu")
     assert not Dispatch("auto").uses_fast_conv(low_x, low_weight, None, None)
+
+
+def test_fla_conv_calls_after_the_first_never_wait_for_the_device():
+    # every layer of a microbatch makes the same call: its index tensors are built once, so the
+    # later calls queue their kernels without reading anything back from the GPU
+    lengths = [5, 64, 65, 130]
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    cu = torch.as_tensor(bounds, device=DEVICE)
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(int(bounds[-1]), 64, generator=generator, device=DEVICE).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(64, 4, generator=generator, device=DEVICE) / 4).to(torch.bfloat16).requires_grad_()
+    context = torch.randn(len(lengths), 3, 64, generator=generator, device=DEVICE).to(torch.bfloat16).requires_grad_()
+    first = fla_conv.causal_conv1d(x, weight, None, cu, context=context, activation="silu")
+    first.float().sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = fla_conv.causal_conv1d(x, weight, None, cu, context=context, activation="silu")
+        again.float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(first, again)

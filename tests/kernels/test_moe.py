@@ -21,7 +21,9 @@ def moe_errors(device="cpu", dtype=torch.float32):
     gate_up = (torch.randn(experts, 2 * intermediate, hidden) * 0.5).to(device, dtype).requires_grad_()
     down = (torch.randn(experts, hidden, intermediate) * 0.5).to(device, dtype).requires_grad_()
     x = torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True)
-    indices = torch.stack([torch.randperm(5, device=device)[:top_k] for _ in range(rows)])  # expert 5 never hit
+    # experts 2 (between others) and 5 (the last) are never hit: empty segments in the middle and at the end
+    allowed = torch.tensor([0, 1, 3, 4], device=device)
+    indices = torch.stack([allowed[torch.randperm(4, device=device)[:top_k]] for _ in range(rows)])
     weights = torch.rand(rows, top_k, device=device, dtype=dtype, requires_grad=True)
     want = naive.moe_experts(x, indices, weights, gate_up, down)
     got = grouped.moe_experts(x, indices, weights, gate_up, down)
@@ -64,3 +66,24 @@ def test_the_model_experts_run_the_dispatched_kernel(monkeypatch):
 def test_gpu_grouped_experts(dtype):
     errors = moe_errors(device="cuda", dtype=dtype)
     assert max(errors.values()) < (2e-2 if dtype == torch.bfloat16 else 1e-5), errors
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_grouped_experts_never_wait_for_the_device():
+    torch.manual_seed(0)
+    x = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16)
+    gate_up = torch.randn(8, 64, 64, device="cuda", dtype=torch.bfloat16)
+    down = torch.randn(8, 64, 32, device="cuda", dtype=torch.bfloat16)
+    indices = torch.randint(0, 8, (300, 2), device="cuda")
+    weights = torch.rand(300, 2, device="cuda")
+    if not grouped.grouped_mm_available(x):
+        pytest.skip("torch._grouped_mm needs a Hopper or newer GPU")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = grouped.moe_experts(x, indices, weights, gate_up, down)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = naive.moe_experts(x.float(), indices, weights, gate_up.float(), down.float())
+    assert rel(got, want) < 2e-2
