@@ -41,10 +41,18 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _block_logits(hidden_block, weight, bias, dtype):
-    logits = hidden_block.to(dtype) @ weight.to(dtype).t()
+    """One block's logits; ``weight`` and ``bias`` are already in ``dtype``."""
+    logits = hidden_block.to(dtype) @ weight.t()
     if bias is not None:
-        logits = logits + bias.to(dtype)
+        logits = logits + bias
     return logits
+
+
+def _head_in(dtype, weight, bias):
+    """The LM head in the compute dtype, cast once per pass: a bf16 vocabulary matrix cast per
+    block of rows was the largest copy of a training pass (hundreds of blocks, each reading the
+    whole matrix)."""
+    return weight.to(dtype), (None if bias is None else bias.to(dtype))
 
 
 def _blocks(num_rows: int, row_chunk: int):
@@ -65,8 +73,9 @@ class CompactLogProbs(torch.autograd.Function):
         lse = hidden.new_empty(num_rows, dtype=dtype)
         entropy_rows = hidden.new_empty(num_rows, dtype=dtype) if with_entropy else None
         target_logits = hidden.new_empty(rows.shape[0], dtype=dtype)
+        head_weight, head_bias = _head_in(dtype, weight, bias)
         for block, (start, end) in enumerate(_blocks(num_rows, row_chunk)):
-            logits = _block_logits(hidden[start:end], weight, bias, dtype)  # [b, V]
+            logits = _block_logits(hidden[start:end], head_weight, head_bias, dtype)  # [b, V]
             block_lse = torch.logsumexp(logits, dim=-1)
             lse[start:end] = block_lse
             if with_entropy:
@@ -78,6 +87,7 @@ class CompactLogProbs(torch.autograd.Function):
                 positions = order[first:last]
                 target_logits[positions] = logits[sorted_rows[first:last] - start, targets.index_select(0, positions)]
             del logits
+        del head_weight, head_bias
         log_probs = target_logits - lse.index_select(0, rows)
         entropy = entropy_rows.index_select(0, rows) if with_entropy else None
         ctx.save_for_backward(hidden, weight, bias, rows, targets, lse, order, sorted_rows)
@@ -105,9 +115,10 @@ class CompactLogProbs(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if (need_bias and ctx.has_bias) else None
+        head_weight, head_bias = _head_in(dtype, weight, bias)
         for block, (start, end) in enumerate(_blocks(num_rows, ctx.row_chunk)):
             block_hidden = hidden[start:end].to(dtype)
-            logits = _block_logits(block_hidden, weight, bias, dtype)
+            logits = _block_logits(block_hidden, head_weight, head_bias, dtype)
             probs = torch.exp(logits - lse[start:end, None])
             grad_logits = probs * (-row_grad[start:end, None])
             if entropy_grad is not None:
@@ -123,7 +134,7 @@ class CompactLogProbs(torch.autograd.Function):
                     accumulate=True,
                 )
             if grad_hidden is not None:
-                grad_hidden[start:end] = (grad_logits @ weight.to(dtype)).to(hidden.dtype)
+                grad_hidden[start:end] = (grad_logits @ head_weight).to(hidden.dtype)
             if grad_weight is not None:
                 grad_weight += grad_logits.t() @ block_hidden
             if grad_bias is not None:
