@@ -3,7 +3,8 @@
 :func:`gather_rows` packs rows of one source into several outputs (a plan's rounds, or one key /
 value view); :func:`scatter_rows` assembles a compact tensor from pieces of several packed
 outputs, each compact row taken from exactly one of them. :mod:`.packed` has the same results
-with a cheaper backward.
+with a cheaper backward; :func:`segment_sum_reference` is the reference of
+:func:`harts.kernels.rows.segment_sum.segment_sum`, the per-row gradient sum of a gather.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["gather_rows", "scatter_rows"]
+__all__ = ["gather_rows", "scatter_rows", "segment_sum_reference"]
 
 
 def gather_rows(x: torch.Tensor, rows: Sequence[np.ndarray]) -> tuple[torch.Tensor, ...]:
@@ -36,3 +37,13 @@ def scatter_rows(
     inverse = np.empty_like(where)
     inverse[where] = np.arange(where.size)
     return stacked.index_select(0, torch.as_tensor(inverse, device=stacked.device))
+
+
+def segment_sum_reference(grad: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """grad [N, ...] -> [num_rows, ...]: row r sums ``grad[positions[offsets[r]:offsets[r+1]]]`` in fp32 (at least)."""
+    counts = (offsets[1:] - offsets[:-1]).to(torch.long)
+    owner = torch.repeat_interleave(torch.arange(num_rows, device=grad.device), counts)  # [N]
+    dtype = torch.promote_types(grad.dtype, torch.float32)
+    out = torch.zeros((num_rows, *grad.shape[1:]), dtype=dtype, device=grad.device)
+    out.index_add_(0, owner, grad.index_select(0, positions.to(torch.long)).to(dtype))
+    return out.to(grad.dtype)

@@ -11,7 +11,10 @@ modules know their index sets up front (they are fixed by the layout), so the ba
 
 * :class:`RowGather`: copies each source row's gradient from the first place it was gathered
   (a plain copy into a contiguous range where it can), then ``index_add``s only the repeats
-  (replay rows, shared key/value prefixes); rows gathered nowhere get zeros;
+  (replay rows, shared key/value prefixes); rows gathered nowhere get zeros. A single-output
+  gather with repeats (a key/value view, the conv context) on the GPU instead sums each row's
+  reads in one deterministic pass (:mod:`.segment_sum`): its repeats are the bulk of its rows,
+  and ``index_add_``'s colliding atomics were the slow part;
 * :class:`RowScatter`: hands each packed output the slice of the compact gradient it wrote,
   with zeros only where it wrote nothing (a round's replay positions).
 
@@ -28,6 +31,8 @@ import numpy as np
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
+
+from .segment_sum import csr_by_row, segment_sum, segment_sum_available
 
 __all__ = ["RowGather", "RowScatter", "contiguous_span"]
 
@@ -137,6 +142,12 @@ class RowGather(nn.Module):
             self.index.add(f"first_rows{i}", r[mine])
             self.index.add(f"repeat_positions{i}", np.flatnonzero(~mine))
             self.index.add(f"repeat_rows{i}", r[~mine])
+        # the row-major sums need every read of a row in one tensor: one output
+        self.sums_rows = self.num_outputs == 1 and flat.size > first.size
+        if self.sums_rows:
+            offsets, positions = csr_by_row(flat, self.num_rows)
+            self.register_buffer("row_offsets", torch.as_tensor(offsets))
+            self.register_buffer("row_positions", torch.as_tensor(positions))
 
     def extra_repr(self) -> str:
         sizes = [self.index.size(f"rows{i}") for i in range(self.num_outputs)]
@@ -150,6 +161,8 @@ class RowGather(nn.Module):
 
     def gradient(self, grads: Sequence[torch.Tensor | None], like: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """The source's gradient from its outputs' (None: no gradient); ``like`` gives dtype and device."""
+        if self.sums_rows and grads[0] is not None and segment_sum_available(grads[0]):
+            return segment_sum(grads[0], self.row_offsets, self.row_positions, self.num_rows)
         index = self.index
         grad = like.new_empty(shape) if self.covers_all_rows else like.new_zeros(shape)
         for i, g in enumerate(grads):
