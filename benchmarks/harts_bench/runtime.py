@@ -96,13 +96,13 @@ from harts_bench.ablation import (
 from harts_bench.attention import format_table, run_attention_bench
 from harts_bench.common import STARTED, peak_memory_gib, reset_peak_memory, say, synchronize
 from harts_bench.profiling import (
+    SyncSites,
     causal_attention_pairs,
     excess_over_compression,
     format_excess,
-    plan_attention_pairs,
-    SyncSites,
     idle_gaps,
     kernel_intervals,
+    plan_attention_pairs,
     seconds_by_family,
     seconds_by_kernel,
 )

@@ -11,7 +11,7 @@ gathered from.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import functools
 
 import numpy as np
 import torch
@@ -33,8 +33,19 @@ _fla_causal_conv1d = None
 
 #: fla's kernels tile each sequence into blocks of this many rows (its default ``chunk_size``)
 _BLOCK_ROWS = 64
-_LAYOUT_CACHE_SIZE = 64
-_layouts: OrderedDict = OrderedDict()
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_layout(bounds_bytes: bytes, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    bounds = np.frombuffer(bounds_bytes, dtype=np.int64)
+    blocks = -(-np.diff(bounds) // _BLOCK_ROWS)
+    sequence = np.repeat(np.arange(blocks.size, dtype=np.int32), blocks)
+    within = np.arange(sequence.size, dtype=np.int32) - np.repeat(np.cumsum(blocks) - blocks, blocks).astype(np.int32)
+    return (
+        torch.as_tensor(bounds.astype(np.int32), device=device),
+        torch.as_tensor(bounds.astype(np.int32)),
+        torch.as_tensor(np.stack([sequence, within], axis=1), device=device),
+    )
 
 
 def _call_layout(bounds: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -44,23 +55,7 @@ def _call_layout(bounds: np.ndarray, device: torch.device) -> tuple[torch.Tensor
     copy to the device waits for the whole queue: a sync per call, in the baseline's layers and
     HARTS' alike. Every layer of a microbatch makes the same calls, so the tensors are cached.
     """
-    key = (bounds.tobytes(), str(device))
-    layout = _layouts.get(key)
-    if layout is None:
-        blocks = -(-np.diff(bounds) // _BLOCK_ROWS)
-        sequence = np.repeat(np.arange(blocks.size, dtype=np.int32), blocks)
-        within = np.arange(sequence.size, dtype=np.int32) - np.repeat(np.cumsum(blocks) - blocks, blocks).astype(np.int32)
-        layout = (
-            torch.as_tensor(bounds.astype(np.int32), device=device),
-            torch.as_tensor(bounds.astype(np.int32)),
-            torch.as_tensor(np.stack([sequence, within], axis=1), device=device),
-        )
-        _layouts[key] = layout
-        if len(_layouts) > _LAYOUT_CACHE_SIZE:
-            _layouts.popitem(last=False)
-    else:
-        _layouts.move_to_end(key)
-    return layout
+    return _cached_layout(np.ascontiguousarray(bounds, dtype=np.int64).tobytes(), str(device))
 
 
 def _load():

@@ -19,17 +19,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-try:  # Triton is optional on CPU machines
-    import triton
-    import triton.language as tl
-
-    TRITON_AVAILABLE = True
-except ImportError:  # pragma: no cover - exercised where triton is absent
-    triton = None
-    tl = None
-    TRITON_AVAILABLE = False
-
-from ..linear_attention.state import interpreter_enabled
+# Triton is optional on CPU machines; the state kernels' module already imports it or not
+from ..linear_attention.state import TRITON_AVAILABLE, interpreter_enabled, tl, triton
 
 __all__ = ["TRITON_AVAILABLE", "csr_by_row", "segment_sum", "segment_sum_available"]
 
