@@ -3,27 +3,18 @@ scan) held to the pure-torch scan, on CPU under the Triton interpreter (in one s
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from harts.kernels.linear_attention.state import TRITON_AVAILABLE
+from tests.helpers.interpreter import run_under_interpreter
 
 CASES = Path(__file__).with_name("_state_cases.py")
 
 
 @pytest.fixture(scope="module")
 def interpreter_errors():
-    if not TRITON_AVAILABLE:
-        pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    completed = subprocess.run([sys.executable, str(CASES)], env=env, capture_output=True, text=True, timeout=600)
-    assert completed.returncode == 0, completed.stderr[-4000:]
-    return json.loads(completed.stdout.strip().splitlines()[-1])
+    return run_under_interpreter(CASES, timeout=600)
 
 
 @pytest.mark.parametrize("case", [0, 1, 2, 3])

@@ -4,10 +4,6 @@ interpreter (in a subprocess), and on the GPU at the size of a real key/value vi
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +13,7 @@ import torch
 from harts.kernels.rows import naive
 from harts.kernels.rows.packed import RowGather
 from harts.kernels.rows.segment_sum import TRITON_AVAILABLE, csr_by_row
+from tests.helpers.interpreter import run_under_interpreter
 
 CASES = Path(__file__).with_name("_segment_sum_cases.py")
 
@@ -39,12 +36,7 @@ def test_the_reference_sums_each_rows_reads():
 
 
 def test_the_kernel_matches_the_reference_under_the_interpreter():
-    if not TRITON_AVAILABLE:
-        pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    completed = subprocess.run([sys.executable, str(CASES)], env=env, capture_output=True, text=True, timeout=900)
-    assert completed.returncode == 0, completed.stderr[-4000:]
-    results = json.loads(completed.stdout.strip().splitlines()[-1])
+    results = run_under_interpreter(CASES, timeout=900)
     assert results["examples"] >= 30
     assert results["repeated_rows"] > 0 and results["rows_read_nowhere"] > 0 and results["column_blocks"] > 1
     # fp32 sums in the reference's order: float32 agrees to rounding; bfloat16 to one final rounding
