@@ -1,7 +1,6 @@
 """Package layout: the library ``harts``, the top-level ``kernels/`` folder installed as ``harts.kernels``,
-and the benchmarks' package ``harts_bench`` (``benchmarks/harts_bench/``: the runtime benchmark, its
-ablations, the demo job and the workload generators, which the library only reaches through the
-CLI's entry points and the ``harts.presets`` entry points).
+and the benchmarks' package ``harts_bench`` (``benchmarks/harts_bench/``: the runtime benchmark behind the
+``harts-bench`` console script and its ablations), which the library never imports.
 
 Metadata lives in pyproject.toml; this file only says where the packages are, because
 setuptools' declarative config cannot map a found folder tree onto a subpackage name.

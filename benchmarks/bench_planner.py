@@ -1,7 +1,7 @@
 """Tables 2 and 3 of §5.2: HARTS microbatch planning against the OR-Tools planning baseline.
 
 For each generated SWE-like step (seeds 1..steps, profile ``--profile`` of
-``harts_bench.workloads.SWE_LIKE_PROFILES``) and each DP degree D:
+``harts.rollouts.workloads.SWE_LIKE_PROFILES``) and each DP degree D:
   * HARTS: the ``partition-microbatches`` and ``schedule-slots`` passes on the compressed
     module (timed together, best of ``--repeats`` runs; the prefix index is built inside);
   * OR-Tools: ``benchmarks/ortools_baseline.py`` on the same compressed module.
@@ -53,7 +53,7 @@ from harts.passes.prefix_compress import PrefixCompress  # noqa: E402
 from harts.passes.schedule_slots import ScheduleSlots  # noqa: E402
 from harts.ir.prefix_index import PrefixIndex  # noqa: E402
 from harts.planner import PlannerOptions, objective, plan, slot_imbalances, step_imbalance  # noqa: E402
-from harts_bench.workloads import SWE_LIKE_PROFILES, grpo_step, no_sharing_step, swe_like_step, wide_tree_step  # noqa: E402
+from harts.rollouts.workloads import SWE_LIKE_PROFILES, grpo_step, no_sharing_step, swe_like_step, wide_tree_step  # noqa: E402
 
 SECTION = "## Microbatch planning (Tables 2-3)"
 SHAPES_SECTION = "## Planning time and work per batch shape"

@@ -1,6 +1,6 @@
 """Linear-attention rounds: HARTS minimum-call planning vs node-at-a-time execution.
 
-For SWE-like steps (``harts_bench.workloads.swe_like_step``), every microbatch is segmented and
+For SWE-like steps (``harts.rollouts.workloads.swe_like_step``), every microbatch is segmented and
 rounded; we compare
 
 * HARTS rounds: packed linear-attention calls per microbatch (Alg. 1), with
@@ -37,7 +37,7 @@ from harts.passes.manager import run_pipeline  # noqa: E402
 from harts.passes.min_call_rounds import MinCallRounds  # noqa: E402
 from harts.passes.prefix_compress import PrefixCompress  # noqa: E402
 from harts.passes.segment import SegmentPass  # noqa: E402
-from harts_bench.workloads import swe_like_step  # noqa: E402
+from harts.rollouts.workloads import swe_like_step  # noqa: E402
 
 
 def contiguous_microbatches(module: Module, capacity: int) -> tuple[Microbatch, ...]:

@@ -19,7 +19,7 @@ import torch
 import harts
 from harts.codegen.fx import round_schedule
 from harts.kernels.linear_attention import state
-from harts_bench.workloads import swe_like_step, trees_near_compression
+from harts.rollouts.workloads import swe_like_step, trees_near_compression
 
 
 def main(argv=None) -> None:

@@ -41,7 +41,7 @@ import harts  # noqa: E402
 from harts_bench.runtime import baseline_microbatches, select_trees  # noqa: E402
 from harts.kernels import dispatch  # noqa: E402
 from harts.runtime import BaselineView, HybridConfig, HybridModel, TreeView  # noqa: E402
-from harts_bench.workloads import swe_like_step, trees_near_compression  # noqa: E402
+from harts.rollouts.workloads import swe_like_step, trees_near_compression  # noqa: E402
 
 logger = logging.getLogger("fidelity_probe")
 

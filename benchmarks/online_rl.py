@@ -24,7 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harts.fsio import atomic_write_bytes  # noqa: E402
-from harts.train.online import compare_modes, compare_runs, summarize  # noqa: E402
+from harts.train.compare import compare_modes, compare_runs  # noqa: E402
+from harts.train.online import summarize  # noqa: E402
 from harts.train.plot import ONLINE_PANELS, plot_metrics  # noqa: E402
 
 MODES = ("harts", "baseline")

@@ -11,7 +11,7 @@ Subpackages that need torch (``runtime``, ``models``, ``rl``, ``kernels``, ``int
 import importlib
 
 from harts._version import __version__
-from harts.batch import RolloutBatch
+from harts.rollouts.batch import RolloutBatch
 from harts.compiler import DEFAULT_PIPELINE, compile
 from harts.errors import (
     HartsError,
@@ -25,7 +25,7 @@ from harts.errors import (
 from harts.options import DEFAULT_OPTIONS, CompileOptions
 from harts.plan import Plan, load_plan
 
-_LAZY_SUBMODULES = ("runtime", "models", "rl", "kernels", "inputs", "io", "codegen", "planner", "interop", "train", "tasks")
+_LAZY_SUBMODULES = ("runtime", "models", "rl", "kernels", "codegen", "planner", "interop", "train", "tasks")
 
 
 def __getattr__(name: str):

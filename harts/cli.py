@@ -1,4 +1,7 @@
-"""The ``harts`` command line: compile, inspect (and plot), convert framework batches, train, run the demo, benchmark."""
+"""The ``harts`` command line: compile, inspect (and plot), convert framework batches, train, run the main job.
+
+The runtime benchmark is its own console script, ``harts-bench`` (:mod:`harts_bench.runtime`), outside the library.
+"""
 
 from __future__ import annotations
 
@@ -53,7 +56,7 @@ def _fail(error: Exception | str) -> None:
     raise typer.Exit(code=USER_ERROR_EXIT)
 
 
-def _reports_errors(command):
+def reports_errors(command):
     """Run a command so that every failure ends in one line on stderr and a non-zero exit, never a traceback:
     HartsError (bad input or options) and OS errors (unwritable output, disk full) exit 2; anything else
     is a bug in HARTS and exits 3 (``--verbose`` logs its traceback)."""
@@ -94,21 +97,8 @@ def print_stats(stats: dict, title: str = "plan") -> None:
     Console().print(table)
 
 
-def _benchmark_entry(module: str, name: str):
-    """A command that lives with the benchmarks (``harts_bench``, installed beside the library), loaded on use."""
-    import importlib
-
-    try:
-        return getattr(importlib.import_module(module), name)
-    except ModuleNotFoundError as error:
-        if error.name and error.name.split(".")[0] == "harts_bench":
-            raise HartsError(f"this command runs {module}, which is not installed: install HARTS from its repository "
-                             "(pip install -e .), which brings the benchmarks package harts_bench") from None
-        raise
-
-
 @app.command("compile")
-@_reports_errors
+@reports_errors
 def compile_command(
     input: str = typer.Argument(..., help="Node table (.jsonl/.parquet) or preset: demo, swe-like, swe-like:seed=3,scale=0.1,profile=calibrated"),
     output: Path = typer.Option(..., "--output", "-o", help="Plan artifact to write (a directory, or a .safetensors file)."),
@@ -124,7 +114,7 @@ def compile_command(
 ) -> None:
     """Compile a rollout batch into a plan artifact."""
     from harts.passes.manager import DumpIR, PrintIRAfter, TimePasses
-    from harts.inputs import resolve_input
+    from harts.rollouts.inputs import resolve_input
 
     if dump_ir is not None and dump_ir.exists() and not dump_ir.is_dir():
         _fail(f"--dump-ir {dump_ir}: it exists and is not a directory; name a directory to dump the stages into")
@@ -151,7 +141,7 @@ def compile_command(
 
 
 @app.command("inspect")
-@_reports_errors
+@reports_errors
 def inspect_command(
     plan_path: Path = typer.Argument(..., help="Plan artifact written by `harts compile`."),
     as_json: bool = typer.Option(False, "--json", help="Print the full inspect document as JSON."),
@@ -195,7 +185,7 @@ def _is_node_table(path: Path) -> bool:
                 return json.loads(handle.readline() or "null").get("kind") == "schema"
         import pyarrow.parquet as pq
 
-        from harts.io import PARQUET_SCHEMA_KEY
+        from harts.rollouts import PARQUET_SCHEMA_KEY
 
         return PARQUET_SCHEMA_KEY in (pq.read_schema(path).metadata or {})
     except (OSError, ValueError, AttributeError):
@@ -203,7 +193,7 @@ def _is_node_table(path: Path) -> bool:
 
 
 @app.command("convert")
-@_reports_errors
+@reports_errors
 def convert_command(
     input: Path = typer.Argument(..., help="Saved framework batch: .pt (dict of tensors), .parquet or .jsonl (one row per trajectory)."),
     framework: str = typer.Option(..., "--from", help="The framework that wrote it: verl, trl or areal."),
@@ -271,7 +261,7 @@ def _print_online(run) -> None:
 
 
 @app.command("train")
-@_reports_errors
+@reports_errors
 def train_command(
     input: Optional[str] = typer.Argument(None, help="Node table (.jsonl/.parquet) or preset, as for `harts compile` (or 'input' in --config)."),
     preset: Optional[str] = typer.Option(None, "--preset", help="Model preset (default tiny); see harts.runtime.PRESETS."),
@@ -320,7 +310,7 @@ def train_command(
 
 
 @app.command("run")
-@_reports_errors
+@reports_errors
 def run_command(
     input: str = typer.Argument("demo", help="Rollout batch: node table or preset (default: the bundled demo batch)."),
     preset: str = typer.Option("tiny", "--preset", help="Model preset."),
@@ -335,7 +325,7 @@ def run_command(
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
 ) -> None:
     """The main job: compile a batch, train a few GRPO steps with HARTS and the baseline from the same weights, compare."""
-    run_demo = _benchmark_entry("harts_bench.demo", "run_demo")
+    from harts.train.demo import run_demo
     from harts.train.loop import step_progress
 
     if threads > 0:
@@ -361,16 +351,6 @@ def run_command(
                       f"{row['fbgrad_baseline'] / row['fbgrad_harts']:.2f}x")
     Console(width=max(Console().width, 100)).print(table)
     print_stats({k: v for k, v in figures.items() if k != "per_step"}, title="HARTS vs trajectory-wise baseline")
-
-
-@app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-@_reports_errors
-def bench_command(ctx: typer.Context) -> None:
-    """Runtime benchmark: baseline vs HARTS F/B/Grad, Core, memory, fidelity (options: harts bench --help-bench)."""
-    bench_main = _benchmark_entry("harts_bench.runtime", "main")
-
-    arguments = ["--help" if a == "--help-bench" else a for a in ctx.args]
-    bench_main(arguments)
 
 
 if __name__ == "__main__":  # pragma: no cover

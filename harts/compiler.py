@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from harts.batch import RolloutBatch
+from harts.rollouts.batch import RolloutBatch
 from harts.errors import PipelineError
 from harts.ir.layout import LaidOutModule
 from harts.ir.nodes import Phase

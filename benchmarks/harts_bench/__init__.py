@@ -1,8 +1,10 @@
-"""HARTS' benchmarks, ablations, demo job and workload generators (outside the library package).
+"""HARTS' benchmarks and ablations (outside the library package; the library never imports them).
 
-* :mod:`harts_bench.runtime`: the headline runtime benchmark behind ``harts bench``;
-* :mod:`harts_bench.attention`: the full-attention head-to-head (``harts bench --attention-bench``);
+* :mod:`harts_bench.runtime`: the headline runtime benchmark, the ``harts-bench`` console script;
+* :mod:`harts_bench.attention`: the full-attention head-to-head (``harts-bench --attention-bench``);
 * :mod:`harts_bench.ablation`: the node-at-a-time and no-replay execution views;
-* :mod:`harts_bench.demo`: the main job behind ``harts run`` / ``make demo``;
-* :mod:`harts_bench.workloads`: synthetic rollout steps, registered as ``harts.inputs`` presets.
+* :mod:`harts_bench.profiling`: time by operator family and kernel, device idle gaps, host-sync sites.
+
+The workload generators behind the presets live in the library (:mod:`harts.rollouts.workloads`),
+the main job (``harts run``) too (:mod:`harts.train.demo`).
 """

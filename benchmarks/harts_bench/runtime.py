@@ -47,15 +47,15 @@ autotuning where no pinned configs ship for the GPU).
 
 Run (H200)::
 
-    PYTHONUNBUFFERED=1 harts bench --tokens 200000 --target-compression 5.6 --out bench_runtime.json
-    PYTHONUNBUFFERED=1 harts bench --layers 4 --out bench_runtime_l4.json
+    PYTHONUNBUFFERED=1 harts-bench --tokens 200000 --target-compression 5.6 --out bench_runtime.json
+    PYTHONUNBUFFERED=1 harts-bench --layers 4 --out bench_runtime_l4.json
 
 (the first is the recorded headline: 24 layers, about 5.6x compression; ``python
 benchmarks/bench_runtime.py`` takes the same arguments)
 
 CPU smoke test::
 
-    harts bench --device cpu --preset tiny --layers 2 --tokens 3000 --scale 0.02 --out /tmp/b.json
+    harts-bench --device cpu --preset tiny --layers 2 --tokens 3000 --scale 0.02 --out /tmp/b.json
 
 It prints progress and one final line ``headline-fla: compression=... speedup_vs_fla_baseline=...
 core_vs_fla_baseline=... speedup_vs_own_baseline=... cosine=... first_step_seconds=...``.
@@ -77,6 +77,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import typer
 
 import harts
 from harts.kernels import Dispatch
@@ -106,11 +107,11 @@ from harts_bench.profiling import (
     seconds_by_family,
     seconds_by_kernel,
 )
-from harts_bench.workloads import swe_like_step, trees_near_compression
+from harts.rollouts.workloads import swe_like_step, trees_near_compression
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="harts bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="harts-bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="ling-3.0-tiny")
     parser.add_argument("--layers", type=int, default=None, help="number of layers (default: the preset's)")
     parser.add_argument("--tokens", type=int, default=200_000, help="raw-token budget of the trajectory subset")
@@ -885,5 +886,20 @@ def main(argv=None) -> dict:
     return results
 
 
+def console_main() -> None:
+    """The ``harts-bench`` console script: :func:`main` on the command line's arguments, failures reported as the
+    ``harts`` CLI reports them (one ``error:`` line, exit 2 for bad input or options, 3 for a bug)."""
+    from harts.cli import reports_errors
+
+    app = typer.Typer(add_completion=False)
+
+    @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
+    @reports_errors
+    def bench(ctx: typer.Context) -> None:
+        main(ctx.args)
+
+    app()
+
+
 if __name__ == "__main__":
-    main()
+    console_main()

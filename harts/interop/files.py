@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from harts.batch import RolloutBatch
+from harts.rollouts.batch import RolloutBatch
 from harts.errors import RolloutInputError
 from harts.interop.importers import from_areal, from_trl, from_verl
 

@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from harts.batch import ROUTED_EXPERTS, RolloutBatch
+from harts.rollouts.batch import ROUTED_EXPERTS, RolloutBatch
 from harts.errors import RolloutInputError
 from harts.interop.layouts import PROMPT_LENGTH
 

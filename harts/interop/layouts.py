@@ -55,7 +55,7 @@ import attrs
 import numpy as np
 import torch
 
-from harts.batch import RolloutBatch
+from harts.rollouts.batch import RolloutBatch
 from harts.errors import HartsError
 
 __all__ = ["LAYOUTS", "PROMPT_LENGTH", "LayoutError", "LayoutSpec", "layout_spec", "to_layout"]

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import attrs
 
-from harts.batch import RolloutBatch
+from harts.rollouts.batch import RolloutBatch
 from harts.errors import PipelineError
 from harts.ir.layout import LaidOutModule
 from harts.ir.nodes import Module, Phase

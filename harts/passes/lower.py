@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import attrs
 
-from harts.batch import RolloutBatch
+from harts.rollouts.batch import RolloutBatch
 from harts.errors import PipelineError
 from harts.ir.nodes import Module, Phase, Trajectory
 from harts.options import DEFAULT_OPTIONS, CompileOptions

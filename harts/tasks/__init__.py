@@ -14,7 +14,7 @@ from harts.errors import HartsError
 from harts.tasks.base import Episode, Task
 from harts.tasks.counting import CountingTask
 from harts.tasks.trees import Rollout, TreeShape, rollout_batch, sample_rollouts
-from harts.inputs import parse_options
+from harts.rollouts.inputs import parse_options
 
 __all__ = ["TASKS", "CountingTask", "Episode", "Rollout", "Task", "TreeShape", "get_task", "rollout_batch", "sample_rollouts"]
 

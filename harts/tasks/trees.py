@@ -28,7 +28,7 @@ import attrs
 import numpy as np
 import torch
 
-from harts.batch import RolloutBatch
+from harts.rollouts.batch import RolloutBatch
 from harts.errors import HartsError
 from harts.rl import group_advantages
 

@@ -278,7 +278,7 @@ def _describe(model, options: RunOptions) -> str:
 def run_training(options: RunOptions, *, console=None, progress: bool = True) -> TrainingRun:
     """Run ``options.steps`` RL steps on the batch ``options.input`` (see the module docstring)."""
     from harts.compiler import compile as compile_batch
-    from harts.inputs import resolve_input
+    from harts.rollouts.inputs import resolve_input
 
     if options.task is not None:
         raise TrainingError(f"task {options.task!r}: online tasks run through harts.train.online.run_online")

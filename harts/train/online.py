@@ -53,6 +53,7 @@ from harts.compiler import compile as compile_batch
 from harts.runtime import HybridConfig, HybridModel
 from harts.runtime.decode import IncrementalDecoder
 from harts.tasks import get_task, rollout_batch, sample_rollouts
+from harts.train.compare import compare_modes, mode_trainers
 from harts.train.config import MODES, TrainingError
 from harts.train.loop import MetricsFile, RunOptions, make_optimizer, save_weights, step_progress
 from harts.train.plot import ONLINE_PANELS, plot_metrics
@@ -60,7 +61,7 @@ from harts.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OnlineRun", "build_task_model", "compare_modes", "compare_runs", "rollout_logprob_gap", "run_online", "summarize"]
+__all__ = ["OnlineRun", "build_task_model", "rollout_logprob_gap", "run_online", "summarize"]
 
 
 @attrs.frozen(eq=False)
@@ -112,12 +113,11 @@ def rollout_logprob_gap(batch, plan, old_log_probs: dict[int, torch.Tensor]) -> 
 
 
 class _ModeRun:
-    """One mode's policy, optimizer, trainer and generators (seeded alike for every mode)."""
+    """One mode's trainer (policy and optimizer) and generators (seeded alike for every mode)."""
 
-    def __init__(self, mode: str, model: torch.nn.Module, options: RunOptions, reference):
-        self.mode = mode
-        self.model = model
-        self.trainer = Trainer(model, make_optimizer(model, options), options.train.replace(mode=mode), reference_model=reference)
+    def __init__(self, trainer: Trainer, options: RunOptions):
+        self.trainer = trainer
+        self.model = trainer.model
         self.prompts = np.random.default_rng(options.seed)
         self.noise = torch.Generator().manual_seed(options.seed)
 
@@ -163,45 +163,6 @@ def summarize(records: list[dict[str, Any]], window: int = 10) -> dict[str, Any]
     }
 
 
-def compare_runs(first: list[dict[str, Any]], second: list[dict[str, Any]],
-                 states: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
-    """Step-by-step differences between two runs' records (and their final weights, given both state dicts)."""
-    if not first or len(first) != len(second):
-        raise TrainingError(f"compare_runs: {len(first)} record(s) against {len(second)}")
-    pairs = list(zip(first, second))
-
-    def largest(key: str, relative: bool = False) -> float:
-        """max |a - b| over the steps; relative: over the run's largest |b| (a loss crosses 0, a per-step ratio would blow up)."""
-        known = [(a[key], b[key]) for a, b in pairs if a.get(key) is not None and b.get(key) is not None]
-        if not known:
-            return 0.0
-        diff = max(abs(x - y) for x, y in known)
-        return diff / max(max(abs(y) for _, y in known), 1e-300) if relative else diff
-
-    same = [a["reward_mean"] == b["reward_mean"] for a, b in pairs if a["epoch"] == 1]
-    comparison = {
-        "optimizer_steps": len(pairs),
-        "max_abs_loss_diff": largest("loss"),
-        "max_rel_loss_diff": largest("loss", relative=True),
-        "max_abs_entropy_diff": largest("entropy"),
-        "max_rel_grad_norm_diff": largest("grad_norm", relative=True),
-        "max_abs_reward_diff": largest("reward_mean"),
-        "identical_rewards": all(same),
-        # the last RL step up to which every step's mean reward is the same (the runs sampled the same trees)
-        "identical_rewards_through_step": same.index(False) if False in same else len(same),
-    }
-    if states is not None:
-        one, other = states
-        comparison["max_abs_weight_diff"] = max(float((one[name].double() - other[name].double()).abs().max()) for name in one)
-    return comparison
-
-
-def compare_modes(records: list[dict[str, Any]], states: dict[str, dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
-    """:func:`compare_runs` of the ``harts`` records against the ``baseline`` ones."""
-    by_mode = [[r for r in records if r["mode"] == mode] for mode in MODES]
-    return compare_runs(*by_mode, None if states is None else tuple(states[mode] for mode in MODES))
-
-
 def run_online(options: RunOptions, *, modes: tuple[str, ...] | None = None, console=None,
                progress: bool = True) -> OnlineRun:
     """Run ``options.steps`` online RL steps of ``options.task`` in each of ``modes`` (see the module docstring)."""
@@ -221,7 +182,9 @@ def run_online(options: RunOptions, *, modes: tuple[str, ...] | None = None, con
     initial = build_task_model(options, task)
     description = f"{options.preset} policy ({sum(p.numel() for p in initial.parameters()):,} parameters, {initial.config.dtype})"
     reference = copy.deepcopy(initial).requires_grad_(False) if options.train.kl_coef else None
-    runs = {mode: _ModeRun(mode, copy.deepcopy(initial), options, reference) for mode in modes}
+    trainers = mode_trainers(initial, options.train, lambda model: make_optimizer(model, options), modes=modes,
+                             reference_model=reference)
+    runs = {mode: _ModeRun(trainer, options) for mode, trainer in trainers.items()}
     metrics_file = MetricsFile(options.metrics) if options.metrics is not None else None
     records: list[dict[str, Any]] = []
     logger.info("online RL: %s, %d step(s), modes %s", description, options.steps, ", ".join(modes))

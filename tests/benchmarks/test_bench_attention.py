@@ -1,4 +1,4 @@
-"""The attention head-to-head of ``harts bench --attention-bench`` at toy size on CPU.
+"""The attention head-to-head of ``harts-bench --attention-bench`` at toy size on CPU.
 
 On CPU the gathered path runs the reference kernel and the tree path its dense mask (no
 FlexAttention backward there); both must agree, and the command must run end to end.
@@ -18,7 +18,7 @@ import harts
 from harts_bench.attention import PATHS, AttentionShape, bench_layout
 from harts.codegen.fx import attention_kv_rows
 from harts.runtime import HybridConfig
-from harts_bench.workloads import swe_like_step
+from harts.rollouts.workloads import swe_like_step
 from tests.helpers import REPO
 
 
@@ -29,7 +29,7 @@ def test_attention_bench_smoke_on_cpu(tmp_path):
     env.pop("TRITON_INTERPRET", None)
     env.pop("HARTS_KERNELS", None)
     completed = subprocess.run(
-        [sys.executable, "-m", "harts", "bench", "--attention-bench", "--device", "cpu", "--preset", "tiny",
+        [sys.executable, "-m", "harts_bench.runtime", "--attention-bench", "--device", "cpu", "--preset", "tiny",
          "--tokens", "800", "--scale", "0.004", "--attention-repeats", "2", "--out", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False,
     )

@@ -50,7 +50,7 @@ def test_tables_name_the_profile_and_results_update_is_idempotent(bench, small_r
 
 
 def test_the_shapes_mode_reports_time_and_work_per_shape_within_budget(bench, tmp_path):
-    from harts_bench.workloads import grpo_step, no_sharing_step, wide_tree_step
+    from harts.rollouts.workloads import grpo_step, no_sharing_step, wide_tree_step
 
     shapes = {
         "no-sharing": ("no shared prefix", lambda: no_sharing_step(trajectories=40, min_tokens=20, max_tokens=120)),

@@ -1,4 +1,4 @@
-"""``harts bench`` end to end at toy size on CPU, and the runtime on CUDA against the references."""
+"""``harts-bench`` end to end at toy size on CPU, and the runtime on CUDA against the references."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_bench_runtime_smoke_on_cpu(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)
     completed = subprocess.run(
-        [sys.executable, "-m", "harts", "bench", "--device", "cpu", "--preset", "tiny",
+        [sys.executable, "-m", "harts_bench.runtime", "--device", "cpu", "--preset", "tiny",
          "--layers", "2", "--tokens", "800", "--scale", "0.004", "--warmup", "1", "--repeats", "1",
          "--kernels", "naive", "--out", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
@@ -62,7 +62,7 @@ def test_gpu_plan_on_fast_kernels_matches_the_baseline_on_the_references():
     from harts.kernels import Dispatch
     from harts.kernels.linear_attention.chunk import fla_available
     from harts.runtime import HybridConfig, HybridModel, log_probs, log_probs_baseline
-    from harts_bench.workloads import swe_like_step
+    from harts.rollouts.workloads import swe_like_step
 
     if not fla_available():
         pytest.skip("flash-linear-attention is not installed")

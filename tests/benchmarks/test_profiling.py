@@ -1,4 +1,4 @@
-"""The bench's time-by-operator-family breakdown (``harts bench --profile``)."""
+"""The bench's time-by-operator-family breakdown (``harts-bench --profile``)."""
 
 from __future__ import annotations
 

@@ -136,9 +136,9 @@ def test_run_json_is_valid_json_with_finite_figures(tmp_path):
 
 
 def test_run_refuses_non_finite_figures_instead_of_printing_nan(monkeypatch):
-    import harts_bench.demo
+    import harts.train.demo
 
-    monkeypatch.setattr(harts_bench.demo, "run_demo", lambda *a, **k: {"trajectories": 2, "loss_harts": float("nan")})
+    monkeypatch.setattr(harts.train.demo, "run_demo", lambda *a, **k: {"trajectories": 2, "loss_harts": float("nan")})
     result = CliRunner().invoke(app, ["run", "--json"])
     assert result.exit_code == USER_ERROR_EXIT
     assert "the step produced non-finite figures (loss_harts = nan)" in result.output and "NaN" not in result.output

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 import attrs
 
-from harts.batch import RolloutBatch
+from harts.rollouts.batch import RolloutBatch
 from harts.ir.nodes import Microbatch, Phase
 from harts.ir.verify import verify
 from harts.passes import PassContext, lower

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 import numpy as np
 
-from harts.batch import RolloutBatch
+from harts.rollouts.batch import RolloutBatch
 from harts.ir.prefix_index import PrefixIndex
 from harts.passes.base import PassContext
 from harts.passes.lower import lower

@@ -8,7 +8,7 @@ import itertools
 from hypothesis import strategies as st
 import attrs
 
-from harts.batch import RolloutBatch
+from harts.rollouts.batch import RolloutBatch
 from harts.ir.nodes import Microbatch, Module, Phase
 from harts.ir.prefix_index import PrefixIndex
 from harts.passes import PassContext, lower

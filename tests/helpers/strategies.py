@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 from hypothesis import strategies as st
 
-from harts.batch import RolloutBatch
+from harts.rollouts.batch import RolloutBatch
 
 
 @st.composite

@@ -16,7 +16,7 @@ import harts
 from harts.cli import app
 from harts.errors import PlanArtifactError
 from harts.viz import plan_histograms, segment_tree, slot_work, write_plots
-from harts.inputs import resolve_input
+from harts.rollouts.inputs import resolve_input
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

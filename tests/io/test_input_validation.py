@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import harts
 from harts import RolloutBatch
 from harts.errors import OutputError, PipelineError, RolloutInputError
-from harts.io import read_node_table, read_node_table_records, write_node_table
+from harts.rollouts import read_node_table, read_node_table_records, write_node_table
 from tests.helpers import assert_identical, node, small_batch, trajectory
 from tests.helpers import corrupt
 
@@ -371,7 +371,7 @@ GENERATOR_OPTIONS = {
 
 @pytest.mark.parametrize("spec", sorted(GENERATOR_OPTIONS))
 def test_generated_presets_refuse_options_that_cannot_or_should_not_be_built(spec):
-    from harts.inputs import resolve_input
+    from harts.rollouts.inputs import resolve_input
 
     with pytest.raises(RolloutInputError) as error:
         resolve_input(spec)

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import harts.nodetable as harts_nodetable
+import harts.rollouts.nodetable as harts_nodetable
 from harts import RolloutBatch
 from harts.errors import RolloutInputError
-from harts.io import node_table_records, read_node_table, read_node_table_records, write_node_table
+from harts.rollouts import node_table_records, read_node_table, read_node_table_records, write_node_table
 from tests.helpers import assert_identical, node, small_batch, trajectory
 
 SUFFIXES = (".jsonl", ".parquet")

@@ -53,7 +53,7 @@ def test_the_cli_refuses_to_write_over_the_directory_holding_its_input(tmp_path)
     folder = tmp_path / "work"
     folder.mkdir()
     table = folder / "rollouts.jsonl"
-    harts.io.write_node_table(harts.RolloutBatch.from_trajectories(TRAJECTORIES), table)
+    harts.rollouts.write_node_table(harts.RolloutBatch.from_trajectories(TRAJECTORIES), table)
     before = snapshot(tmp_path)
     result = runner.invoke(app, ["compile", str(table), "-o", str(folder), "--capacity", "64", "--chunk-size", "8"])
     assert result.exit_code != 0

@@ -6,7 +6,7 @@ import attrs
 import pytest
 from hypothesis import given
 
-from harts.batch import RolloutBatch
+from harts.rollouts.batch import RolloutBatch
 from harts.errors import IRParseError, IRVerificationError
 from harts.ir.nodes import Module, Phase, Trajectory
 from harts.ir.text import parse_ir, print_ir

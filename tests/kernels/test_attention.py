@@ -85,7 +85,7 @@ def test_tree_mask_matches_gathered_ancestor_views():
 
 def test_layout_parents_chain_every_trajectory_to_its_root():
     import harts
-    from harts_bench.workloads import swe_like_step
+    from harts.rollouts.workloads import swe_like_step
 
     batch = swe_like_step(seed=3, scale=0.004, vocab_size=256)
     plan = harts.compile(batch, capacity=65536, chunk_size=16)

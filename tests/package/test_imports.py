@@ -1,8 +1,10 @@
 """The library's import graph: no cycles, and no import of the benchmarks package.
 
 Every ``import`` statement counts, module level or inside a function (a function-level import
-that closes a cycle is still a cycle; it only hides it until call time), except those under
-``if TYPE_CHECKING:``. ``kernels/`` is installed as ``harts.kernels``.
+that closes a cycle is still a cycle; it only hides it until call time), and so does every
+``importlib.import_module("...")`` of a constant name, except those under ``if TYPE_CHECKING:``.
+``kernels/`` is installed as ``harts.kernels``. The library may not even name the benchmarks
+package in a string (an entry point or a lazy import would reach it unseen).
 """
 
 from __future__ import annotations
@@ -48,7 +50,35 @@ def imported_names(module: str, path: Path) -> list[str]:
                 base = ".".join(anchor + ([node.module] if node.module else []))
             names.append(base)
             names.extend(f"{base}.{alias.name}" for alias in node.names)
+        elif _is_import_module_call(node):
+            names.append(node.args[0].value)
     return names
+
+
+def _is_import_module_call(node: ast.AST) -> bool:
+    """``importlib.import_module("name")`` or ``import_module("name")`` with a constant module name."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)):
+        return False
+    function = node.func
+    name = function.attr if isinstance(function, ast.Attribute) else getattr(function, "id", None)
+    return name == "import_module"
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    documented = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, documented) and node.body and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)}
+
+
+def benchmark_mentions(path: Path) -> list[str]:
+    """String constants of a module, docstrings aside, that name a benchmarks module (dotted, as an entry point or a path)."""
+    tree = ast.parse(path.read_text())
+    docs = _docstrings(tree)
+    return [node.value for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+            and any(part in node.value for part in ("harts_bench.", "harts_bench:", "benchmarks/harts_bench"))]
 
 
 def import_graph() -> nx.DiGraph:
@@ -68,8 +98,16 @@ def import_graph() -> nx.DiGraph:
 
 def test_the_import_graph_sees_imports_inside_functions():
     graph = import_graph()
-    assert graph.has_edge("harts.train.loop", "harts.inputs")  # imported inside run_training
+    assert graph.has_edge("harts.train.loop", "harts.rollouts.inputs")  # imported inside run_training
     assert graph.has_edge("harts.kernels.dispatch", "harts.kernels.conv.fla")  # imported inside a method
+
+
+def test_the_import_graph_sees_import_module_calls_and_benchmark_names(tmp_path):
+    module = tmp_path / "probe.py"
+    module.write_text('"""Docs may name harts_bench.runtime."""\nimport importlib\n\ndef load():\n'
+                      "    return importlib.import_module('harts.train.demo')\n\nENTRY = 'harts_bench.runtime:main'\n")
+    assert "harts.train.demo" in imported_names("harts.probe", module)
+    assert benchmark_mentions(module) == ["harts_bench.runtime:main"]
 
 
 def test_the_library_has_no_import_cycles():
@@ -84,4 +122,9 @@ def test_the_library_never_imports_the_benchmarks():
         for name in imported_names(module, path)
         if name.split(".")[0] in ("harts_bench", "benchmarks")
     ]
+    assert not offenders
+
+
+def test_the_library_names_no_benchmark_module():
+    offenders = [f"{module}: {text!r}" for module, path in module_files().items() for text in benchmark_mentions(path)]
     assert not offenders

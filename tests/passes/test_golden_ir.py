@@ -15,7 +15,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from harts.batch import RolloutBatch
+from harts.rollouts.batch import RolloutBatch
 from harts.ir.text import parse_ir, print_ir
 from harts.options import CompileOptions
 from harts.passes import PassContext, parse_pipeline

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import harts
 from harts.errors import RolloutInputError
-from harts.io import read_node_table, write_node_table
+from harts.rollouts import read_node_table, write_node_table
 from harts.runtime import HybridConfig, HybridModel, log_probs, log_probs_baseline
 from harts.runtime.moe import TopKRouter
 from tests.helpers import token_trees

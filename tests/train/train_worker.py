@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 import harts
 from harts.train import Trainer, TrainingError
 from harts.train.loop import build_model, load_options, run_training
-from harts.inputs import resolve_input
+from harts.rollouts.inputs import resolve_input
 
 
 def refused(call) -> str:

@@ -18,7 +18,7 @@ from harts.planner.balance import balance_slots
 from harts.planner.budget import WorkBudget
 from harts.planner.exchange import exchange_subtrees
 from harts.planner.search import EXTENSION_STAGES
-from harts_bench.workloads import grpo_step, no_sharing_step, swe_like_step, wide_tree_step
+from harts.rollouts.workloads import grpo_step, no_sharing_step, swe_like_step, wide_tree_step
 from tests.helpers import compressed_index, forests
 from tests.helpers import checked_objective
 

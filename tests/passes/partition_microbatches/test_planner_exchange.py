@@ -180,7 +180,7 @@ def test_plan_with_exchange_is_never_worse(trajectories, capacity, dp_size, exte
 
 
 def test_partition_option_switches_exchange_off():
-    from harts.batch import RolloutBatch
+    from harts.rollouts.batch import RolloutBatch
     from harts.passes import PassContext, parse_pipeline
     from harts.passes.lower import lower
     from harts.passes.partition_microbatches import PartitionMicrobatches

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from harts.batch import RolloutBatch
+from harts.rollouts.batch import RolloutBatch
 from harts.errors import IRVerificationError, PipelineError, PlanningError
 from harts.ir.nodes import Phase
 from harts.ir.prefix_index import PrefixIndex
@@ -206,7 +206,7 @@ def test_verify_scheduled_catches_slot_errors(good):
 @pytest.mark.parametrize("dp_size", [1, 2, 4])
 @pytest.mark.parametrize("exact_threshold", [512, 16])
 def test_swe_like_step_plans_verify_and_beat_contiguous_natural_partition(dp_size, exact_threshold):
-    from harts_bench.workloads import swe_like_step
+    from harts.rollouts.workloads import swe_like_step
 
     batch = swe_like_step(seed=3, scale=0.1)
     module = PrefixCompress().run(lower(batch, capacity=8192, dp_size=dp_size), PassContext(batch=batch))

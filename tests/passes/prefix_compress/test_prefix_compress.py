@@ -7,7 +7,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harts.batch import RolloutBatch
+from harts.rollouts.batch import RolloutBatch
 from harts.ir.prefix_index import PrefixIndex
 from harts.ir.verify import verify
 from harts.passes import PassContext, lower

@@ -9,10 +9,10 @@ import pytest
 
 from harts import RolloutBatch
 from harts.errors import RolloutInputError
-from harts.io import write_node_table
+from harts.rollouts import write_node_table
 from harts.passes.prefix_compress import build_compact_trie, sorted_order_and_lcp
-from harts.inputs import demo_batch, resolve_input
-from harts_bench.workloads import (
+from harts.rollouts.inputs import demo_batch, resolve_input
+from harts.rollouts.workloads import (
     MAX_TRAJECTORY_TOKENS,
     grpo_advantages,
     make_demo_batch,

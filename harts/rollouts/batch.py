@@ -29,9 +29,9 @@ from typing import Any
 import attrs
 import numpy as np
 
-from harts import nodetable
+from harts.rollouts import nodetable
 from harts.errors import RolloutInputError
-from harts.fields import (
+from harts.rollouts.fields import (
     FINITE_FIELDS,
     PER_TOKEN_FIELDS,
     ROUTED_EXPERTS,
@@ -204,13 +204,13 @@ class RolloutBatch:
 
     @classmethod
     def read(cls, path: Any) -> "RolloutBatch":
-        """Read a node table (``.jsonl`` or ``.parquet``); see :mod:`harts.nodetable` for the format."""
-        return nodetable.read_node_table(path, cls._from_node_table)
+        """Read a node table (``.jsonl`` or ``.parquet``); see :mod:`harts.rollouts.nodetable` for the format."""
+        return nodetable.decode_node_table(path, cls._from_node_table)
 
     @classmethod
     def from_node_table_records(cls, records: Any) -> "RolloutBatch":
-        """A batch from in-memory node-table rows (dicts with a ``kind``; see :mod:`harts.nodetable`)."""
-        return nodetable.read_node_table_records(records, cls._from_node_table)
+        """A batch from in-memory node-table rows (dicts with a ``kind``; see :mod:`harts.rollouts.nodetable`)."""
+        return nodetable.decode_node_table_records(records, cls._from_node_table)
 
     @classmethod
     def _from_node_table(cls, contents: nodetable.NodeTableContents) -> "RolloutBatch":
@@ -221,7 +221,7 @@ class RolloutBatch:
         return batch
 
     def write(self, path: Any) -> None:
-        """Write this batch as a node table (``.jsonl`` or ``.parquet``), atomically; see :mod:`harts.nodetable`."""
+        """Write this batch as a node table (``.jsonl`` or ``.parquet``), atomically; see :mod:`harts.rollouts.nodetable`."""
         nodetable.write_node_table(self, path)
 
     # ------------------------------------------------------------------ views
@@ -312,3 +312,17 @@ class RolloutBatch:
             trajectory_fields={k: v[indices] for k, v in self.trajectory_fields.items()},
             tree_ids=None if self.tree_ids is None else np.asarray(self.tree_ids)[indices],
         )
+
+
+def read_node_table(path: Any) -> RolloutBatch:
+    """Read a node table (``.jsonl`` or ``.parquet``) into a :class:`RolloutBatch`.
+
+    Every problem with the file or its contents raises :class:`~harts.errors.RolloutInputError`
+    naming the file and the record, tree, node, trajectory or field.
+    """
+    return RolloutBatch.read(path)
+
+
+def read_node_table_records(records: Any) -> RolloutBatch:
+    """Build a batch from in-memory node-table rows (dicts with a ``kind``, see :mod:`harts.rollouts.nodetable`)."""
+    return RolloutBatch.from_node_table_records(records)

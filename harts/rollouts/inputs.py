@@ -1,16 +1,16 @@
 """Rollout-batch inputs named on the command line: node tables and presets.
 
 ``resolve_input(spec)`` turns what a user types after ``harts compile`` / ``harts train`` into a
-:class:`~harts.batch.RolloutBatch`:
+:class:`~harts.rollouts.batch.RolloutBatch`:
 
-* a node table path (``.jsonl`` / ``.parquet``, :mod:`harts.io`);
+* a node table path (``.jsonl`` / ``.parquet``, :mod:`harts.rollouts.nodetable`);
 * ``demo``: the small node table bundled with the library (``harts/data/demo_rollouts.jsonl``);
-* a generated preset, ``name`` or ``name:option=value,...`` (``swe-like:seed=3,scale=0.1``).
+* a generated preset, ``name`` or ``name:option=value,...`` (``swe-like:seed=3,scale=0.1``):
+  ``swe-like``, ``no-sharing``, ``wide-tree`` and ``grpo`` come from the generators of
+  :mod:`harts.rollouts.workloads`.
 
-Generated presets are not part of the library: workload generators live with the benchmarks
-(``harts_bench.workloads``) and register here through the ``harts.presets`` entry-point group,
-each entry a :class:`Preset`. So the library never imports them, and a project can add its own
-presets the same way.
+A project adds its own presets through the ``harts.presets`` entry-point group, each entry a
+:class:`Preset`; a built-in name always wins.
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ from typing import Any
 
 import attrs
 
-from harts.batch import RolloutBatch
 from harts.errors import RolloutInputError
-from harts.io import SUFFIXES, read_node_table
+from harts.rollouts.batch import RolloutBatch
+from harts.rollouts.batch import read_node_table
+from harts.rollouts.nodetable import SUFFIXES
+from harts.rollouts.workloads import DEMO_RESOURCE, grpo_step, no_sharing_step, swe_like_step, wide_tree_step
 
 __all__ = ["DEMO_RESOURCE", "ENTRY_POINT_GROUP", "Preset", "demo_batch", "parse_options", "presets", "resolve_input"]
 
-DEMO_RESOURCE = "demo_rollouts.jsonl"
 ENTRY_POINT_GROUP = "harts.presets"
 
 
@@ -54,14 +55,31 @@ def demo_batch() -> RolloutBatch:
         return read_node_table(path)
 
 
+_SWE_LIKE_OPTIONS = {"seed": int, "scale": float, "vocab_size": int, "profile": str, "tasks": int}
+
+
+def _built_in_presets() -> dict[str, Preset]:
+    return {
+        "demo": Preset(make=demo_batch, summary="the bundled demo batch"),
+        "grpo": Preset(grpo_step, {"groups": int, "group_size": int, "min_prompt": int, "max_prompt": int,
+                                   "min_tokens": int, "max_tokens": int, "seed": int, "vocab_size": int},
+                       "GRPO groups of responses to one prompt"),
+        "no-sharing": Preset(no_sharing_step, {"trajectories": int, "min_tokens": int, "max_tokens": int, "seed": int,
+                                               "vocab_size": int}, "trajectories that share no prefix"),
+        "swe-like": Preset(swe_like_step, _SWE_LIKE_OPTIONS, "one SWE-like agentic step (profile: large-trees or calibrated)"),
+        "wide-tree": Preset(wide_tree_step, {"leaves": int, "prompt_tokens": int, "min_tokens": int, "max_tokens": int,
+                                             "seed": int, "vocab_size": int}, "one prompt with many leaves"),
+    }
+
+
 @cache
 def presets() -> dict[str, Preset]:
-    """Every preset: ``demo`` and the ones registered under the ``harts.presets`` entry points."""
-    found: dict[str, Preset] = {"demo": Preset(make=demo_batch, summary="the bundled demo batch")}
+    """Every preset: the built-in ones and those registered under the ``harts.presets`` entry points."""
+    found = _built_in_presets()
     for entry in entry_points(group=ENTRY_POINT_GROUP):
         preset = entry.load()
         if not isinstance(preset, Preset):
-            raise TypeError(f"entry point {entry.name!r} of {ENTRY_POINT_GROUP!r} is {type(preset).__name__}, not a harts.inputs.Preset")
+            raise TypeError(f"entry point {entry.name!r} of {ENTRY_POINT_GROUP!r} is {type(preset).__name__}, not a harts.rollouts.inputs.Preset")
         found.setdefault(entry.name, preset)
     return found
 
@@ -92,8 +110,7 @@ def resolve_input(spec: str | os.PathLike[str]) -> RolloutBatch:
     path = Path(text)
     if path.suffix.lower() in SUFFIXES:
         return read_node_table(path)
-    hint = "" if len(known) > 1 else " (generated presets come with the benchmarks package harts_bench: pip install -e .)"
     raise RolloutInputError(
-        f"input {text!r} is neither a node table ({', '.join(SUFFIXES)}) nor a preset; presets: {', '.join(known)}{hint} "
+        f"input {text!r} is neither a node table ({', '.join(SUFFIXES)}) nor a preset; presets: {', '.join(known)} "
         "(e.g. 'swe-like:seed=3,scale=0.1')"
     )

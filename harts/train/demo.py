@@ -3,7 +3,7 @@ with HARTS and with the trajectory-wise baseline from the same weights, and repo
 per-step losses of both, the F/B/Grad speedup and the fidelity of HARTS against the baseline.
 
 The two modes alternate step by step, so load from other processes on a shared machine
-falls on both alike.
+falls on both alike (:mod:`harts.train.compare`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,18 @@ from typing import Any
 
 import torch
 
-import harts
+from harts.compiler import compile as compile_batch
 from harts.errors import RolloutInputError
+from harts.rollouts.inputs import resolve_input
+from harts.train.compare import compare_runs, mode_trainers
+from harts.train.config import TrainConfig
+from harts.train.loop import RunOptions, build_model, training_advantages
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["run_demo"]
+
+#: The baseline first in every step: it sets the reference the HARTS step is compared with.
 MODES = ("baseline", "harts")
 
 
@@ -42,23 +49,16 @@ def run_demo(
 
     ``on_progress(title, phase, done, total)`` is called after every microbatch.
     """
-    from harts.train import TrainConfig, Trainer
-    from harts.train.loop import RunOptions, build_model, training_advantages
-    from harts.inputs import resolve_input
-
     batch = resolve_input(input)
     if all(len(tokens) < 2 for tokens in batch.tokens):
         raise RolloutInputError(f"input {input!r}: every trajectory has a single token, so no token has a log-prob to train on")
     advantages = training_advantages(batch)
-    plan = harts.compile(batch, capacity=capacity, dp_size=1, chunk_size=chunk_size)
+    plan = compile_batch(batch, capacity=capacity, dp_size=1, chunk_size=chunk_size)
     model = build_model(RunOptions(preset=preset, chunk_size=chunk_size, seed=seed), batch)
     reference = copy.deepcopy(model).requires_grad_(False)
     config = TrainConfig(epochs=epochs, kl_coef=1e-3, aux_loss_coef=1e-3, expert_bias_rate=1e-3, recompute=recompute)
-    trainers = {}
-    for mode in MODES:
-        trained = copy.deepcopy(model)
-        optimizer = torch.optim.AdamW(trained.parameters(), lr=learning_rate)
-        trainers[mode] = Trainer(trained, optimizer, config.replace(mode=mode), reference_model=reference)
+    trainers = mode_trainers(model, config, lambda trained: torch.optim.AdamW(trained.parameters(), lr=learning_rate),
+                             modes=MODES, reference_model=reference)
 
     records: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     first_old: dict[str, dict[int, torch.Tensor]] = {}
@@ -71,13 +71,14 @@ def run_demo(
             first_old.setdefault(mode, result.old_log_probs)
             logger.info("%s step %d: loss %s", mode, step + 1, [r["loss"] for r in result.metrics])
 
-    per_step = []
-    for base, tree in zip(records["baseline"], records["harts"]):
-        per_step.append({
-            "step": base["step"], "epoch": base["epoch"], "loss_baseline": base["loss"], "loss_harts": tree["loss"],
-            "loss_rel_diff": abs(tree["loss"] - base["loss"]) / max(abs(base["loss"]), 1e-30),
-            "fbgrad_baseline": base["fbgrad_seconds"], "fbgrad_harts": tree["fbgrad_seconds"],
-        })
+    per_step = [
+        {"step": base["step"], "epoch": base["epoch"], "loss_baseline": base["loss"], "loss_harts": tree["loss"],
+         "loss_rel_diff": abs(tree["loss"] - base["loss"]) / max(abs(base["loss"]), 1e-30),
+         "fbgrad_baseline": base["fbgrad_seconds"], "fbgrad_harts": tree["fbgrad_seconds"]}
+        for base, tree in zip(records["baseline"], records["harts"])
+    ]
+    comparison = compare_runs(records["harts"], records["baseline"],
+                              tuple(trainers[mode].module.state_dict() for mode in ("harts", "baseline")))
     if plot is not None:
         from harts.train.plot import plot_metrics
 
@@ -91,11 +92,6 @@ def run_demo(
     base_fbgrad = statistics.median(r["fbgrad_seconds"] for r in records["baseline"])
     tree_fbgrad = statistics.median(r["fbgrad_seconds"] for r in records["harts"])
     old_diff = max(float((first_old["harts"][k] - first_old["baseline"][k]).abs().max()) for k in first_old["harts"])
-    # ||theta_HARTS - theta_baseline|| / ||theta_baseline|| over all weights: Adam's first steps move every
-    # weight by about lr whatever its gradient's size, so round-off-level gradients make single weights differ.
-    tree_weights = torch.cat([p.detach().flatten().double() for p in trainers["harts"].module.parameters()])
-    base_weights = torch.cat([p.detach().flatten().double() for p in trainers["baseline"].module.parameters()])
-    param_diff = float((tree_weights - base_weights).norm() / base_weights.norm())
     stats = plan.stats
     return {
         "input": input,
@@ -117,7 +113,7 @@ def run_demo(
         "fbgrad_speedup": base_fbgrad / tree_fbgrad,
         "step_speedup": base_step / tree_step,
         "max_old_logprob_abs_diff": old_diff,
-        "param_rel_diff": param_diff,
-        "max_loss_rel_diff": max(row["loss_rel_diff"] for row in per_step),
+        "param_rel_diff": comparison["weight_rel_diff"],
+        "max_loss_rel_diff": comparison["max_step_rel_loss_diff"],
         "per_step": per_step,
     }

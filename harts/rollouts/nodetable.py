@@ -42,12 +42,12 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 import attrs
 import numpy as np
 
-from harts.fields import TOKEN_FIELD_KINDS, TRAJECTORY_FIELD_KINDS, adopt, check_field_values, token_id_array
+from harts.rollouts.fields import TOKEN_FIELD_KINDS, TRAJECTORY_FIELD_KINDS, adopt, check_field_values, token_id_array
 from harts.errors import OutputError, RolloutInputError
 from harts.fsio import atomic_write_with
 
 if TYPE_CHECKING:  # the writers read a batch's attributes; only the builder a reader is given makes one
-    from harts.batch import RolloutBatch
+    from harts.rollouts.batch import RolloutBatch
 
 Batch = TypeVar("Batch")
 
@@ -535,7 +535,7 @@ def _batch_from_rows(rows: Iterable[Mapping[str, Any]], build: Callable[[NodeTab
     return batch
 
 
-def read_node_table_records(records: Iterable[Mapping[str, Any]], build: Callable[[NodeTableContents], Batch]) -> Batch:
+def decode_node_table_records(records: Iterable[Mapping[str, Any]], build: Callable[[NodeTableContents], Batch]) -> Batch:
     """``build`` applied to the contents of in-memory node-table rows (dicts with a ``kind``, see the module docs)."""
     return _batch_from_rows(records, build)
 
@@ -624,7 +624,7 @@ def _suffix(path: Path) -> str:
     return suffix
 
 
-def read_node_table(path: str | os.PathLike[str], build: Callable[[NodeTableContents], Batch]) -> Batch:
+def decode_node_table(path: str | os.PathLike[str], build: Callable[[NodeTableContents], Batch]) -> Batch:
     """Read a node table (``.jsonl`` or ``.parquet``) and return ``build`` of its contents.
 
     Every problem with the file or its contents, those ``build`` finds included, raises
@@ -896,7 +896,7 @@ def _write_parquet(table: _Table, path: Path) -> None:
 
 
 def write_node_table(batch: RolloutBatch, path: str | os.PathLike[str]) -> None:
-    """Write ``batch`` as a node table (format from the suffix); ``read_node_table`` gives it back exactly.
+    """Write ``batch`` as a node table (format from the suffix); ``harts.rollouts.read_node_table`` gives it back exactly.
 
     Each tree's nodes form the radix forest of its trajectories, keyed per position by the
     token and every per-token field value, so positions whose metadata differ between

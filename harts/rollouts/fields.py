@@ -1,7 +1,7 @@
 """Per-token and per-trajectory field values: conversion from user input, checks, ownership.
 
-The layer below :mod:`harts.batch` (which builds batches from these values) and
-:mod:`harts.nodetable` (which reads and writes them): it knows field names, kinds and value
+The layer below :mod:`harts.rollouts.batch` (which builds batches from these values) and
+:mod:`harts.rollouts.nodetable` (which reads and writes them): it knows field names, kinds and value
 rules, never a batch. Conversions accept lists, NumPy arrays and torch tensors and raise
 :class:`~harts.errors.RolloutInputError` naming the trajectory, field and entry.
 """
@@ -109,7 +109,7 @@ def integer_array(values: Any, where: str, minimum: int, maximum: int, what: str
     return array.astype(np.int64, copy=False)
 
 
-#: Prefix of the per-token fields holding replayed expert ids (router replay: see :mod:`harts.batch`).
+#: Prefix of the per-token fields holding replayed expert ids (router replay: see :mod:`harts.rollouts.batch`).
 ROUTED_EXPERTS = "routed_experts"
 
 

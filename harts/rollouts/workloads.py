@@ -18,10 +18,9 @@ Everything is deterministic from a seed; token arrays are built with NumPy and s
 prefixes are shared arrays until the final concatenation.
 
 The bundled demo node table (``harts/data/demo_rollouts.jsonl``, read by
-:func:`harts.inputs.demo_batch`) is the output of ``make_demo_batch()`` written with
-:func:`harts.io.write_node_table` (``write_demo_data``). The generators are registered as
-``harts.inputs`` presets (``swe-like``, ``no-sharing``, ``wide-tree``, ``grpo``) through the
-``harts.presets`` entry points in pyproject.toml.
+:func:`harts.rollouts.inputs.demo_batch`) is the output of ``make_demo_batch()``, written by
+``write_demo_data``. :mod:`harts.rollouts.inputs` names the generators as presets (``swe-like``,
+``no-sharing``, ``wide-tree``, ``grpo``) for ``harts compile`` / ``harts train``.
 """
 
 from __future__ import annotations
@@ -34,11 +33,9 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-import harts
-from harts.batch import RolloutBatch
-from harts.fields import MAX_TOKEN_ID, adopt
 from harts.errors import RolloutInputError
-from harts.inputs import DEMO_RESOURCE, Preset
+from harts.rollouts.batch import RolloutBatch
+from harts.rollouts.fields import MAX_TOKEN_ID, adopt
 
 logger = logging.getLogger(__name__)
 
@@ -613,35 +610,20 @@ def make_demo_batch(seed: int = 0) -> RolloutBatch:
     return batch
 
 
-# ----------------------------------------------------------------------------- presets (harts.inputs)
-
-_SWE_LIKE_OPTIONS = {"seed": int, "scale": float, "vocab_size": int, "profile": str, "tasks": int}
-
-#: The generated presets of ``harts.inputs.resolve_input``, registered as ``harts.presets`` entry points.
-SWE_LIKE_PRESET = Preset(swe_like_step, _SWE_LIKE_OPTIONS, "one SWE-like agentic step (profile: large-trees or calibrated)")
-NO_SHARING_PRESET = Preset(no_sharing_step, {"trajectories": int, "min_tokens": int, "max_tokens": int, "seed": int,
-                                             "vocab_size": int}, "trajectories that share no prefix")
-WIDE_TREE_PRESET = Preset(wide_tree_step, {"leaves": int, "prompt_tokens": int, "min_tokens": int, "max_tokens": int,
-                                           "seed": int, "vocab_size": int}, "one prompt with many leaves")
-GRPO_PRESET = Preset(grpo_step, {"groups": int, "group_size": int, "min_prompt": int, "max_prompt": int, "min_tokens": int,
-                                 "max_tokens": int, "seed": int, "vocab_size": int}, "GRPO groups of responses to one prompt")
+#: The bundled demo node table, in the package ``harts.data``.
+DEMO_RESOURCE = "demo_rollouts.jsonl"
 
 
 def write_demo_data(path: str | os.PathLike[str] | None = None) -> Path:
     """Regenerate the bundled demo node table from ``make_demo_batch()``."""
-    from harts.io import write_node_table
-
-    target = Path(path) if path is not None else Path(harts.__file__).parent / "data" / DEMO_RESOURCE
-    write_node_table(make_demo_batch(), target)
+    target = Path(path) if path is not None else Path(__file__).resolve().parents[1] / "data" / DEMO_RESOURCE
+    make_demo_batch().write(target)
     return target
 
 
 __all__ = [
     "MAX_TRAJECTORY_TOKENS",
-    "GRPO_PRESET",
-    "NO_SHARING_PRESET",
-    "SWE_LIKE_PRESET",
-    "WIDE_TREE_PRESET",
+    "DEMO_RESOURCE",
     "SweLikeShape",
     "grpo_advantages",
     "grpo_step",
