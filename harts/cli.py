@@ -237,10 +237,10 @@ def passes_command() -> None:
 
 
 def _records_table(records: list[dict], title: str) -> Table:
-    columns = ("step", "epoch", "loss", "kl", "clip_fraction", "entropy", "grad_norm", "fbgrad_seconds")
+    columns = ("step", "epoch", "loss", "kl", "clip_fraction", "entropy", "grad_norm", "fbgrad_seconds", "rows_per_second")
     table = Table(title=title)
     for column in columns:
-        table.add_column(column.replace("_seconds", " s").replace("_", " "), justify="right")
+        table.add_column(column.replace("_seconds", " s").replace("_per_second", "/s").replace("_", " "), justify="right")
     for record in records:
         table.add_row(*(_format(record.get(column)) for column in columns))
     return table
@@ -285,6 +285,7 @@ def train_command(
     recompute: Optional[bool] = typer.Option(None, "--recompute/--no-recompute", help="Full-layer activation recomputation (default off)."),
     save: Optional[Path] = typer.Option(None, "--save", help="Write the trained weights to this .safetensors file."),
     task: Optional[str] = typer.Option(None, "--task", help="Online RL on a task instead of a fixed batch: the policy samples rollout trees each step (tasks: count; see harts.tasks)."),
+    matmul_precision: Optional[str] = typer.Option(None, "--matmul-precision", help="torch.set_float32_matmul_precision: highest, high or medium (default: high on CUDA, as harts-bench; highest on CPU)."),
 ) -> None:
     """Train a model on a rollout batch for some RL steps (run under torchrun for data parallelism), or online on --task."""
     from harts.train.loop import load_options, run_training
@@ -293,7 +294,7 @@ def train_command(
         input=input, task=task, preset=preset, hf=hf, steps=steps, epochs=epochs, lr=lr, mode=mode, dtype=dtype, seed=seed,
         metrics=None if metrics is None else str(metrics), plot=None if plot is None else str(plot), algorithm=algorithm,
         kl_coef=kl_coef, temperature=temperature, capacity=capacity, chunk_size=chunk_size, dp=dp, parallel=parallel,
-        recompute=recompute, save=None if save is None else str(save),
+        recompute=recompute, save=None if save is None else str(save), matmul_precision=matmul_precision,
     )
     options = load_options(flags, config)
     if options.task is not None:

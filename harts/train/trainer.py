@@ -428,6 +428,7 @@ class Trainer:
             "plan_seconds": peak["plan_seconds"],
             "logprob_seconds": peak["logprob_seconds"],
             "fbgrad_seconds": peak["fbgrad_seconds"],
+            "rows_per_second": total["rows"] / peak["fbgrad_seconds"] if peak["fbgrad_seconds"] > 0 else None,
             "optimizer_seconds": peak["optimizer_seconds"],
         }
 
