@@ -104,10 +104,12 @@ from harts_bench.profiling import (
     idle_gaps,
     kernel_intervals,
     plan_attention_pairs,
+    refined_limit,
     seconds_by_family,
     seconds_by_kernel,
 )
 from harts.rollouts.workloads import swe_like_step, trees_near_compression
+from harts_bench.train_step import headline_train_line, train_step_figures
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -155,6 +157,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="print a torch.profiler table of one baseline and one HARTS pass (after warm-up; "
                              "'--profile harts': the HARTS pass only), their self time by operator family against "
                              "baseline / compression (profile_by_family), per-kernel tables and the device's idle gaps")
+    parser.add_argument("--train-step", action="store_true",
+                        help="also time harts.train.Trainer.step (what `harts train` runs) in both modes on the same "
+                             "model, plan and batch, and print the headline-train line")
     parser.add_argument("--sync-debug", action="store_true",
                         help="after the timed passes, count one HARTS pass's host-device synchronisations by source line")
     return parser.parse_args(argv)
@@ -846,6 +851,13 @@ def main(argv=None) -> dict:
         flush=True,
     )
 
+    if args.train_step:
+        say("the training step (harts.train.Trainer.step, as `harts train` runs it) in both modes ...")
+        results["train_step"] = train_step_figures(model, plan, batch, kernels=kernels, baseline_kernels=stock,
+                                                   warmup=args.warmup, repeats=args.repeats, say=say)
+        write_results(args.out, results)
+        print(headline_train_line(results), flush=True)
+
     if args.sync_debug and device.type == "cuda":
         with SyncSites() as syncs:
             harts_pass(model, plan, batch, kernels, num_trajectories)
@@ -882,7 +894,13 @@ def main(argv=None) -> dict:
                 {"full attention": results["attention_pair_compression"]})
             say("where HARTS spends more than baseline / compression (self time by operator family, one pass each):\n"
                 + format_excess(results["profile_by_family"]))
+            results["refined_limit"] = refined_limit(results["profile_by_family"])
+            results["fraction_of_refined_limit"] = results["speedup_vs_fla_baseline"] / results["refined_limit"]
+            say(f"refined limit (each family at its own compression): {results['refined_limit']:.3f}x; "
+                f"the headline's {results['speedup_vs_fla_baseline']:.3f}x is {results['fraction_of_refined_limit']:.3f} of it")
             write_results(args.out, results)
+            if "train_step" in results:
+                print(headline_train_line(results), flush=True)
     return results
 
 
