@@ -7,6 +7,8 @@ import functools
 import numpy as np
 import torch
 
+from harts.codegen.layout import lay_out
+from harts.ir.verify import verify
 from harts.plan import Plan, compute_stats
 from harts.runtime import HybridConfig, HybridModel
 from harts.runtime.moe import TopKRouter
@@ -16,8 +18,11 @@ import harts
 
 
 def make_plan(batch, chunk_size, groups=None) -> Plan:
-    module = rounded_module(batch, chunk_size, groups)
-    return Plan(module=module, pipeline="prefix-compress,segment,min-call-rounds", stats=compute_stats(module))
+    """A laid-out plan whose microbatches are ``groups`` (see :func:`rounded_module`), as ``codegen`` lays it out."""
+    stage = lay_out(rounded_module(batch, chunk_size, groups))
+    verify(stage)
+    return Plan(module=stage.module, pipeline="prefix-compress,segment,min-call-rounds,codegen",
+                stats=compute_stats(stage.module, laid_out=True), layouts=stage.layouts)
 
 
 @functools.lru_cache(maxsize=None)

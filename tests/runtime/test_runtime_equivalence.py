@@ -16,7 +16,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import harts
-from harts.errors import PlanArtifactError, PlanningError, RolloutInputError
+from harts.errors import PlanArtifactError, PlanBatchMismatchError, PlanningError, RolloutInputError
 from harts.runtime import HybridConfig, HybridModel, expert_load, load_balancing_loss, log_probs, log_probs_baseline, z_loss
 from harts.runtime.moe import TopKRouter
 from tests.helpers import token_trees
@@ -178,7 +178,7 @@ def test_plan_for_another_batch_is_rejected():
     batch = figure_batch()
     plan = make_plan(batch, 4)
     other = harts.RolloutBatch.from_trajectories([list(t) + [1] for t in batch.tokens])
-    with pytest.raises(PlanArtifactError, match="compiled for batch"):
+    with pytest.raises(PlanBatchMismatchError, match="compiled for batch"):
         log_probs(tiny_model(), plan, other)
 
 
