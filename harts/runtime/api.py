@@ -67,7 +67,9 @@ class LogProbOutput:
     ``log_probs[i]`` has ``len(tokens_i) - 1`` entries; ``packed`` is their concatenation and
     ``cu_seqlens`` [N + 1] its offsets (the list entries are views of ``packed``).
     ``entropy`` (if asked for) is laid out the same way. ``rows`` counts the hidden rows
-    the model executed (C for a plan, S for the baseline).
+    the model executed (C for a plan, S for the baseline). ``input_hash`` is the batch's
+    (:meth:`~harts.RolloutBatch.input_hash`): framework exporters refuse to lay the output out
+    against another batch.
     """
 
     log_probs: list[torch.Tensor]
@@ -77,6 +79,7 @@ class LogProbOutput:
     entropy: list[torch.Tensor] | None = None
     packed_entropy: torch.Tensor | None = None
     rows: int = 0
+    input_hash: str | None = None
 
 
 @attrs.frozen(eq=False)
@@ -260,6 +263,7 @@ def _assemble(batch, outputs: list[MicrobatchOutput], with_entropy: bool) -> Log
         entropy=list(packed_entropy.split(lengths)) if with_entropy else None,
         packed_entropy=packed_entropy,
         rows=sum(o.rows for o in outputs),
+        input_hash=batch.input_hash(),
     )
 
 
