@@ -140,6 +140,8 @@ class Plan:
     pipeline: str
     stats: dict[str, Any]
     layouts: tuple[MicrobatchLayout, ...] | None = None
+    #: compiled for the fast linear-attention kernels (``harts.compile(fast_kernels=True)``)
+    fast_kernels: bool = False
     #: what the pipeline produced, built once (see :attr:`stage`)
     _stage: Module | LaidOutModule = attrs.field(init=False, repr=False)
 
@@ -237,7 +239,8 @@ class Plan:
             "schema_version": SCHEMA_VERSION,
             "harts_version": __version__,
             "input_hash": self.input_hash,
-            "options": {"capacity": self.module.capacity, "dp_size": self.module.dp_size, "chunk_size": self.module.chunk_size},
+            "options": {"capacity": self.module.capacity, "dp_size": self.module.dp_size, "chunk_size": self.module.chunk_size,
+                        "fast_kernels": self.fast_kernels},
             "pipeline": self.pipeline.split(",") if self.pipeline else [],
             "pipeline_text": self.pipeline,
             "stats": stats,
@@ -461,4 +464,8 @@ def _load_plan(path: Path) -> Plan:
         raise PlanArtifactError(f"{path}: the manifest's stats or pipeline_text has the wrong type")
     stats = dict(stats)
     stats["plan_seconds"] = None
-    return Plan(module=module, pipeline=pipeline, stats=stats, layouts=layouts)
+    options = manifest.get("options")
+    fast_kernels = options.get("fast_kernels", False) if isinstance(options, dict) else False
+    if not isinstance(fast_kernels, bool):
+        raise PlanArtifactError(f"{path}: the manifest's option fast_kernels is not a boolean")
+    return Plan(module=module, pipeline=pipeline, stats=stats, layouts=layouts, fast_kernels=fast_kernels)

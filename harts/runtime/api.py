@@ -32,6 +32,7 @@ from torch import nn
 from harts.binding import BoundPlan, ModelLimits, check_routed_experts, check_vocabulary
 from harts.codegen.fx import log_prob_rows
 from harts.errors import ModelInputError, PlanArtifactError, RolloutInputError
+from harts.kernels.dispatch import Dispatch
 from harts.kernels.interface import Kernels
 from harts.numerics import compact_log_probs, log_probs_from_logits
 from harts.options import DEFAULT_OPTIONS
@@ -43,6 +44,10 @@ from harts.runtime.tree_view import TreeView
 from harts.runtime.view import BaselineView
 
 logger = logging.getLogger(__name__)
+
+#: The kernels of a plan compiled with ``fast_kernels=True`` on a GPU: fast paths, and an error where linear
+#: attention has none (instead of the reference, which ``auto`` dispatch would run without a word).
+_FAST_KERNELS = Dispatch("fast")
 
 #: The chunk size of a trajectory-wise baseline run without a plan (the compiler's default B).
 DEFAULT_CHUNK_SIZE = DEFAULT_OPTIONS.chunk_size
@@ -202,6 +207,8 @@ def _run_microbatch(model, bound: BoundPlan, microbatch: int, *, recompute, with
                     temperature) -> MicrobatchOutput:
     layout = bound.layout(microbatch)
     device = next(unwrap_model(model).parameters()).device
+    if kernels is None and bound.plan.fast_kernels and device.type == "cuda":
+        kernels = _FAST_KERNELS  # compiled for the fast kernels: a fallback to the reference raises
     view = view_type(layout, device=device, kernels=kernels)
     input_ids = torch.tensor(bound.row_tokens[microbatch], dtype=torch.long, device=device)
     routed = None

@@ -158,3 +158,39 @@ def test_layout_arrays_are_read_only(tmp_path):
         with pytest.raises(ValueError, match="read-only"):
             layout.trajectory_rows[:] = 0
         np.testing.assert_array_equal(layout.row_trajectory, before)
+
+
+def test_fast_kernel_chunk_limits_surface_at_compile_time(tmp_path):
+    """One chunk size, the plan's: compiled for the fast kernels, a chunk they cannot take is refused up front."""
+    batch = figure_batch()
+    with pytest.raises(harts.PipelineError, match="chunk_size' is 16, but the fast linear-attention kernels take chunk sizes 32 or 64"):
+        harts.compile(batch, chunk_size=16, fast_kernels=True)
+    plan = harts.compile(batch, chunk_size=32, fast_kernels=True)
+    assert plan.fast_kernels and plan.chunk_size == 32 == plan.layouts[0].chunk_size
+    assert harts.load_plan(plan.save(tmp_path / "plan")).fast_kernels
+    assert not harts.compile(batch, chunk_size=16).fast_kernels
+    from harts.kernels.linear_attention.chunk import SUPPORTED_CHUNK_SIZES
+    from harts.options import FAST_KERNEL_CHUNK_SIZES
+
+    assert SUPPORTED_CHUNK_SIZES is FAST_KERNEL_CHUNK_SIZES
+
+
+def test_one_chunk_size_the_plans_reaches_the_kernels():
+    """Every linear-attention call of a plan runs at the plan's chunk size (the model config has none)."""
+    batch = figure_batch()
+    model = tiny_model()
+    assert not hasattr(model.config, "chunk_size")
+    seen = []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(harts.kernels.naive, name)
+
+        def chunk_linear_attention(self, *args, chunk_size, **kwargs):
+            seen.append(chunk_size)
+            return harts.kernels.naive.chunk_linear_attention(*args, chunk_size=chunk_size, **kwargs)
+
+    for chunk in (4, 8):
+        seen.clear()
+        log_probs(model, harts.compile(batch, chunk_size=chunk), batch, kernels=Recording())
+        assert seen and set(seen) == {chunk}

@@ -204,7 +204,7 @@ def test_saved_and_loaded_plan_runs_identically(tmp_path):
 def test_tokens_outside_the_vocabulary_name_the_trajectory():
     batch = harts.RolloutBatch.from_trajectories([[1, 2, 3], [1, 2, 70, 4]])
     plan = harts.compile(batch, capacity=64, chunk_size=4)
-    model = HybridModel(HybridConfig.preset("tiny", vocab_size=64, chunk_size=4))
+    model = HybridModel(HybridConfig.preset("tiny", vocab_size=64))
     with pytest.raises(RolloutInputError, match=r"trajectory 1: field 'tokens' entry 2 is 70, outside the model's vocabulary \(vocab_size 64\)"):
         log_probs(model, plan, batch)
     with pytest.raises(RolloutInputError, match="trajectory 1: field 'tokens' entry 2 is 70"):
