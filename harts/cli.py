@@ -106,6 +106,7 @@ def compile_command(
     capacity: int = typer.Option(DEFAULT_OPTIONS.capacity, "--capacity", help="Microbatch capacity T in compact tokens."),
     dp: int = typer.Option(DEFAULT_OPTIONS.dp_size, "--dp", help="Data-parallel degree D."),
     chunk_size: int = typer.Option(DEFAULT_OPTIONS.chunk_size, "--chunk-size", help="Linear-attention chunk size B."),
+    fast_kernels: bool = typer.Option(False, "--fast-kernels", help="Plan for the fast linear-attention kernels: refuse a chunk size they cannot take."),
     print_ir_after_all: bool = typer.Option(False, "--print-ir-after-all", help="Print the IR after every pass (stderr)."),
     print_ir_after: Optional[str] = typer.Option(None, "--print-ir-after", help="Comma-separated passes to print the IR after."),
     dump_ir: Optional[Path] = typer.Option(None, "--dump-ir", help="Write every stage, lowering and codegen included, to DIR/NNN_<pass>.txt."),
@@ -132,7 +133,7 @@ def compile_command(
         batch = resolve_input(input)
     plan = harts.compile(
         batch, capacity=capacity, dp_size=dp, chunk_size=chunk_size, pipeline=pipeline,
-        verify=False if no_verify else None, instruments=instruments, progress=True,
+        verify=False if no_verify else None, instruments=instruments, progress=True, fast_kernels=fast_kernels,
     )
     plan.save(output)
     print_stats(plan.stats, title=f"plan written to {output}")
@@ -279,7 +280,7 @@ def train_command(
     kl_coef: Optional[float] = typer.Option(None, "--kl-coef", help="KL penalty to the initial weights (default 1e-3; 0: no reference model)."),
     temperature: Optional[float] = typer.Option(None, "--temperature", help="Sampling temperature the log-probs are computed at (default 1)."),
     capacity: Optional[int] = typer.Option(None, "--capacity", help="Microbatch capacity T in compact tokens (default 65536)."),
-    chunk_size: Optional[int] = typer.Option(None, "--chunk-size", help="Linear-attention chunk size B (default: the model's)."),
+    chunk_size: Optional[int] = typer.Option(None, "--chunk-size", help="Linear-attention chunk size B of the plan (default 64)."),
     dp: Optional[int] = typer.Option(None, "--dp", help="Data-parallel degree D of the plan (default: the torchrun world size)."),
     parallel: Optional[str] = typer.Option(None, "--parallel", help="Data-parallel wrapper under torchrun: ddp (default) or fsdp (FSDP2)."),
     recompute: Optional[bool] = typer.Option(None, "--recompute/--no-recompute", help="Full-layer activation recomputation (default off)."),

@@ -24,6 +24,7 @@ import attrs
 import numpy as np
 import torch
 
+from harts.options import DEFAULT_OPTIONS
 from harts.train.config import TrainConfig, TrainingError
 from harts.train.distributed import init_from_environment, wrap_model
 from harts.train.trainer import Trainer
@@ -69,7 +70,7 @@ class RunOptions:
     dtype: str | None = None
     seed: int = 0
     capacity: int = attrs.field(default=65536, validator=_positive)
-    chunk_size: int | None = attrs.field(default=None, validator=_positive)
+    chunk_size: int = attrs.field(default=DEFAULT_OPTIONS.chunk_size, validator=_positive)  # the plan's B
     dp: int | None = attrs.field(default=None, validator=_positive)
     parallel: str = "ddp"
     metrics: str | None = None
@@ -185,13 +186,11 @@ def build_model(options: RunOptions, batch, device: torch.device | str = "cpu"):
     if options.hf is not None:
         from harts.models import from_hf
 
-        model = from_hf(options.hf, chunk_size=options.chunk_size or 64, dtype=options.dtype)
+        model = from_hf(options.hf, dtype=options.dtype)
     else:
         overrides = dict(options.model)
         if options.dtype is not None:
             overrides["dtype"] = options.dtype
-        if options.chunk_size is not None:
-            overrides["chunk_size"] = options.chunk_size
         if "vocab_size" not in overrides:
             from harts.runtime.config import PRESETS
 
@@ -313,7 +312,7 @@ def run_training(options: RunOptions, *, console=None, progress: bool = True) ->
         if options.train.kl_coef:
             reference = copy.deepcopy(model).requires_grad_(False)
         dp_size = options.dp or group.world_size
-        plan = compile_batch(batch, capacity=options.capacity, dp_size=dp_size, chunk_size=model.config.chunk_size,
+        plan = compile_batch(batch, capacity=options.capacity, dp_size=dp_size, chunk_size=options.chunk_size,
                              progress=progress and group.rank == 0)
         wrapped = wrap_model(model, options.parallel, device) if group.distributed else model
         optimizer = make_optimizer(wrapped, options)

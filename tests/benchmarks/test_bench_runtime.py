@@ -78,7 +78,7 @@ def test_gpu_plan_on_fast_kernels_matches_the_baseline_on_the_references():
         pytest.skip("flash-linear-attention is not installed")
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = HybridModel(HybridConfig.preset("tiny", num_layers=4, chunk_size=64))
+        model = HybridModel(HybridConfig.preset("tiny", num_layers=4))
     batch = swe_like_step(seed=2, scale=0.01, vocab_size=model.config.vocab_size)
     plan = harts.compile(batch, capacity=65536, chunk_size=64)
     fast = log_probs(model, plan, batch, recompute=True, kernels=Dispatch("fast"))

@@ -233,8 +233,8 @@ def test_plan_and_process_group_mismatches_are_reported():
     assert len(replica_microbatches(plan.module, 0, 2)) == plan.stats["num_microbatches"] // 2
     with pytest.raises(TrainingError, match=r"compiled for 2 data-parallel replica\(s\).*process group has 1 rank"):
         trainer.step(batch, plan)
-    other = rl_batch([t.tolist() for t in batch.tokens], seed=5)
-    with pytest.raises(harts.PlanArtifactError, match="not for this batch"):
+    other = rl_batch([t.tolist() + [1] for t in batch.tokens], seed=5)
+    with pytest.raises(harts.PlanBatchMismatchError, match="not for this batch"):
         trainer.step(other, harts.compile(batch, capacity=40, chunk_size=4))
     with pytest.raises(TrainingError, match="kl_coef"):
         TrainConfig(algorithm="ppo", kl_coef=0.1)
