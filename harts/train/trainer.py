@@ -31,6 +31,7 @@ as consecutive parts of its members of at most ``capacity`` raw tokens, accumula
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -53,12 +54,16 @@ from harts.rl import (
 )
 from harts.runtime.api import MicrobatchOutput, microbatch_log_probs, microbatch_log_probs_baseline, unwrap_model
 from harts.runtime.moe import MoEStats, apply_expert_bias_update, load_balancing_loss, z_loss
-from harts.train.config import TrainConfig
+from harts.train.config import TrainConfig, TrainingError
 from harts.train.distributed import ProcessGroupInfo, gradient_sync, replica_microbatches
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepResult", "Trainer", "train_step"]
+__all__ = ["NonFiniteStepError", "StepResult", "Trainer", "train_step"]
+
+
+class NonFiniteStepError(TrainingError):
+    """A step's loss or gradient is NaN or infinite: the step is refused before the optimizer moves any weight."""
 
 #: Batch-level sums behind the metrics (summed over microbatches and ranks).
 _SUMS = ("loss", "policy_loss", "z_loss", "load_balancing_loss", "entropy", "kl", "tokens", "clipped",
@@ -297,7 +302,7 @@ class Trainer:
 
             started = self._now()
             lr = float(self.optimizer.param_groups[0]["lr"])
-            grad_norm = self._clip_and_step(config)
+            grad_norm = self._clip_and_step(config, sums[_SUMS.index("loss")], group, epoch)
             if config.expert_bias_rate and moe_layers:
                 self._update_expert_bias(group.all_reduce(loads.clone()), config.expert_bias_rate)
             optimizer_seconds = self._now() - started
@@ -382,12 +387,21 @@ class Trainer:
         parts["loss"] = loss
         return parts
 
-    def _clip_and_step(self, config: TrainConfig) -> float:
+    def _clip_and_step(self, config: TrainConfig, local_loss: torch.Tensor, group: ProcessGroupInfo, epoch: int) -> float:
         parameters = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = float("inf") if config.max_grad_norm is None else config.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm) if parameters else torch.zeros(())
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
             norm = norm.full_tensor()
+        # the batch loss over every rank, so that all ranks refuse the same step together
+        loss = float(group.all_reduce(local_loss.detach().clone().reshape(1))[0])
+        if not (math.isfinite(loss) and math.isfinite(float(norm))):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteStepError(
+                f"step {self.steps_done + 1}, epoch {epoch + 1}: the loss is {loss} and the gradient norm {float(norm)}; "
+                "the optimizer step was not taken (the weights are those before it). Check the learning rate, the "
+                "temperature and the batch's advantages, rewards and log-probs"
+            )
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
