@@ -50,6 +50,7 @@ from harts.rl import (
     metadata_field,
     policy_loss,
     reduce_tokens,
+    refuse_empty_loss_mask,
     token_metadata,
 )
 from harts.runtime.api import MicrobatchOutput, microbatch_log_probs, microbatch_log_probs_baseline, unwrap_model
@@ -252,6 +253,7 @@ class Trainer:
         if self.reference_model is None:
             ref_field = metadata_field(None, batch, REF_LOG_PROB_FIELDS, "ref_log_probs", required=bool(config.kl_coef))
         reduction = config.loss_reduction
+        refuse_empty_loss_mask(batch.loss_mask, _log_prob_offsets(batch))
         denominator = loss_denominator(batch.loss_mask, _log_prob_offsets(batch), reduction)
         semantic_tokens = batch.semantic_tokens
         moe_layers = self._moe_layers()

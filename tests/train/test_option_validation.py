@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -19,7 +20,7 @@ from harts.runtime import HybridConfig
 from harts.runtime.config import HybridConfigError
 from harts.train import NonFiniteStepError, TrainConfig, Trainer, TrainingError
 from harts.train.loop import RunOptions, load_options
-from tests.helpers import forked_batch, tiny_model
+from tests.helpers import SMALL_MODEL, forked_batch, tiny_model
 
 runner = CliRunner()
 
@@ -141,9 +142,11 @@ def test_lr_inf_exits_2_before_training_and_writes_nothing(tmp_path):
 def test_a_diverging_run_stops_with_a_clear_error_and_saves_no_weights(tmp_path):
     """A learning rate large enough to blow the weights up in one step: the next step's loss is not finite,
     the run stops there (exit 2) and the weights are never written."""
-    saved = tmp_path / "weights.safetensors"
-    result = runner.invoke(app, ["train", "demo", "--lr", "1e30", "--steps", "3", "--epochs", "1", "--save", str(saved),
-                                 "--dtype", "float32"])
+    table, saved = tmp_path / "rollouts.jsonl", tmp_path / "weights.safetensors"
+    forked_batch().write(table)
+    config = config_file(tmp_path, yaml.safe_dump(dict(model=SMALL_MODEL, chunk_size=4, capacity=40, dtype="float32")))
+    result = runner.invoke(app, ["train", str(table), "--config", str(config), "--lr", "1e30", "--steps", "2",
+                                 "--epochs", "1", "--save", str(saved)])
     assert result.exit_code == USER_ERROR_EXIT, result.output
     output = one_line(result.output)
     assert "the optimizer step was not taken" in output and "nan" in output.lower()
