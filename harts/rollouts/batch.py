@@ -43,6 +43,7 @@ from harts.rollouts.fields import (
     integer_array,
     owned,
     per_trajectory_entries,
+    refuse_misspelt_field,
     routed_experts_field,
     routed_experts_fields,
     routed_experts_key,
@@ -169,7 +170,9 @@ class RolloutBatch:
         return cls(tokens=tokens, token_fields=token_fields, trajectory_fields=trajectory_fields, tree_ids=adopt(tree_ids_array))
 
     def validate(self) -> None:
-        """Check lengths, kinds and values of every field; raise :class:`RolloutInputError` naming the culprit."""
+        """Check names, lengths, kinds and values of every field; raise :class:`RolloutInputError` naming the culprit."""
+        for name in (*self.token_fields, *self.trajectory_fields):
+            refuse_misspelt_field(name)
         for index, tokens in enumerate(self.tokens):
             if tokens.ndim != 1 or tokens.size == 0:
                 raise RolloutInputError(f"trajectory {index}: field 'tokens' is empty; a trajectory needs at least one token")

@@ -31,7 +31,10 @@ FINITE_FIELDS = ("loss_mask", "advantages", "advantage", "reward", "importance_s
 #: importers use): NaN or +inf would make the loss NaN; -inf (a token of probability zero) is
 #: kept, the losses read it as such.
 LOG_PROB_FIELDS = ("old_log_probs", "old_logprobs", "behavior_log_probs", "ref_log_probs", "ref_logprobs",
-                   "reference_log_probs", "rollout_logprobs")
+                   "reference_log_probs", "rollout_logprobs", "rollout_log_probs")
+#: Field names HARTS reads; another name this close to one (difflib ratio) is taken for a misspelling.
+KNOWN_FIELDS = (*FINITE_FIELDS, *LOG_PROB_FIELDS, "group_id")
+MISSPELLING_CUTOFF = 0.8
 #: NumPy kinds a per-token field may have (what node tables store and read back).
 TOKEN_FIELD_KINDS = "biuf"
 #: NumPy kinds a per-trajectory field may have.
@@ -75,6 +78,10 @@ def as_array(value: Any, where: str) -> np.ndarray:
             array = None
         if array is None or (array.dtype == object and any(isinstance(entry, (list, tuple, np.ndarray)) for entry in value)):
             raise RolloutInputError(f"{where} is ragged: its entries are lists of different lengths or mix lists and scalars")
+        if array.dtype.kind == "f" and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value):
+            # Python ints beyond int64 beside small ones: NumPy would make every entry a float and a range
+            # check would blame the wrong entry with a rounded value; keep the exact integers instead.
+            return np.array(value, dtype=object)
         return array
     if isinstance(value, (numbers.Number, np.generic, str)) or value is None:
         return np.asarray(value)
@@ -245,6 +252,21 @@ def scalar_field_array(entries: list[np.ndarray], name: str) -> np.ndarray:
         kinds = sorted({_KIND_NAMES[e.dtype.kind] for e in entries})
         raise RolloutInputError(f"field '{name}': per-trajectory values mix {' and '.join(kinds)}; give values of one kind")
     return np.stack(entries)
+
+
+def refuse_misspelt_field(name: str) -> None:
+    """Refuse a field name that is not one HARTS reads but is one letter or two from one (``loss_maks``):
+    kept, it would be an extra field while the real one takes its default (a loss mask of ones)."""
+    import difflib
+
+    if name in KNOWN_FIELDS or routed_experts_key(name) is not None:
+        return
+    close = difflib.get_close_matches(name, KNOWN_FIELDS, n=1, cutoff=MISSPELLING_CUTOFF)
+    if close:
+        raise RolloutInputError(
+            f"field '{name}' is not one HARTS reads and looks like a misspelling: did you mean '{close[0]}'? "
+            f"(rename the field; HARTS reads {', '.join(KNOWN_FIELDS)})"
+        )
 
 
 def check_field_values(name: str, values: np.ndarray, where: str) -> None:

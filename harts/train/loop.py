@@ -24,8 +24,8 @@ import attrs
 import numpy as np
 import torch
 
-from harts.options import DEFAULT_OPTIONS
-from harts.train.config import TrainConfig, TrainingError
+from harts.options import DEFAULT_OPTIONS, MAX_CAPACITY, MAX_CHUNK_SIZE
+from harts.train.config import MAX_SEED, OptionRule, TrainConfig, TrainingError, option_problem
 from harts.train.distributed import init_from_environment, wrap_model
 from harts.train.trainer import Trainer
 
@@ -43,56 +43,77 @@ CLI_TRAIN_DEFAULTS: dict[str, Any] = {"epochs": 2, "kl_coef": 1e-3, "expert_bias
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 
 
-def _matmul_precision(instance, attribute, value) -> None:
-    if value is not None and value not in MATMUL_PRECISIONS:
-        raise TrainingError(f"option {attribute.name} must be one of {', '.join(MATMUL_PRECISIONS)}, got {value!r}")
+def _text(optional: bool = True, choices: tuple[str, ...] | None = None) -> OptionRule:
+    return OptionRule("text", optional=optional, choices=choices)
 
 
-def _positive(instance, attribute, value) -> None:
-    if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
-        raise TrainingError(f"option {attribute.name} must be positive, got {value!r}")
+def _mapping(instance, attribute, value) -> None:
+    if not isinstance(value, Mapping):
+        raise TrainingError(f"{type(instance).__name__}.{attribute.name} must be a mapping of model config fields, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
 class RunOptions:
     """Everything ``harts train`` needs; ``train`` holds the step's :class:`TrainConfig`."""
 
-    input: str | None = None
-    task: str | None = None  # an online RL task (harts.tasks) instead of a fixed batch: see harts.train.online
-    both_modes: bool = False  # --mode both (tasks only): HARTS and the baseline side by side from one seed
-    preset: str = "tiny"
-    hf: str | None = None
-    model: Mapping[str, Any] = attrs.field(factory=dict)  # preset overrides, e.g. {"num_layers": 2}
-    steps: int = attrs.field(default=3, validator=_positive)
-    lr: float = attrs.field(default=1e-4, validator=_positive)
-    weight_decay: float = 0.0
-    adam_eps: float | None = attrs.field(default=None, validator=_positive)  # None: torch's AdamW default (1e-8)
-    dtype: str | None = None
-    seed: int = 0
-    capacity: int = attrs.field(default=65536, validator=_positive)
-    chunk_size: int = attrs.field(default=DEFAULT_OPTIONS.chunk_size, validator=_positive)  # the plan's B
-    dp: int | None = attrs.field(default=None, validator=_positive)
-    parallel: str = "ddp"
-    metrics: str | None = None
-    plot: str | None = None
-    save: str | None = None
+    input: str | None = attrs.field(default=None, validator=_text())
+    task: str | None = attrs.field(default=None, validator=_text())  # an online RL task (harts.tasks): see harts.train.online
+    both_modes: bool = attrs.field(default=False, validator=OptionRule("bool"))  # --mode both (tasks only)
+    preset: str = attrs.field(default="tiny", validator=_text(optional=False))
+    hf: str | None = attrs.field(default=None, validator=_text())
+    model: Mapping[str, Any] = attrs.field(factory=dict, validator=_mapping)  # preset overrides, e.g. {"num_layers": 2}
+    steps: int = attrs.field(default=3, validator=OptionRule("int", minimum=1))
+    lr: float = attrs.field(default=1e-4, validator=OptionRule("number", above=0.0))
+    weight_decay: float = attrs.field(default=0.0, validator=OptionRule("number", minimum=0.0))
+    adam_eps: float | None = attrs.field(default=None, validator=OptionRule("number", above=0.0, optional=True))  # None: 1e-8
+    dtype: str | None = attrs.field(default=None, validator=_text())
+    seed: int = attrs.field(default=0, validator=OptionRule("int", minimum=0, maximum=MAX_SEED))
+    capacity: int = attrs.field(default=65536, validator=OptionRule("int", minimum=1, maximum=MAX_CAPACITY))
+    chunk_size: int = attrs.field(default=DEFAULT_OPTIONS.chunk_size,
+                                  validator=OptionRule("int", minimum=1, maximum=MAX_CHUNK_SIZE))  # the plan's B
+    dp: int | None = attrs.field(default=None, validator=OptionRule("int", minimum=1, optional=True))
+    parallel: str = attrs.field(default="ddp", validator=_text(optional=False, choices=("ddp", "fsdp")))
+    metrics: str | None = attrs.field(default=None, validator=_text())
+    plot: str | None = attrs.field(default=None, validator=_text())
+    save: str | None = attrs.field(default=None, validator=_text())
     # torch.set_float32_matmul_precision for the run; None: "high" (TF32) on CUDA, "highest" elsewhere
-    matmul_precision: str | None = attrs.field(default=None, validator=_matmul_precision)
+    matmul_precision: str | None = attrs.field(default=None, validator=_text(choices=MATMUL_PRECISIONS))
     train: TrainConfig = attrs.field(factory=lambda: TrainConfig(**CLI_TRAIN_DEFAULTS))
 
 
 _RUN_FIELDS = tuple(f.name for f in attrs.fields(RunOptions) if f.name != "train")
 
 
+def _yaml_loader():
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one silently)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"key {key!r} is given twice (first {seen[key]}); give each option once", key_node.start_mark)
+                seen[key] = key_node.start_mark
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     import yaml
 
     try:
-        document = yaml.safe_load(path.read_text())
+        document = yaml.load(path.read_text(), Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
     except OSError as error:
         raise TrainingError(f"config {path}: cannot be read ({error.strerror or error})") from error
+    except UnicodeDecodeError as error:
+        raise TrainingError(f"config {path}: not UTF-8 text ({error.reason} at byte {error.start})") from error
     except yaml.YAMLError as error:
-        raise TrainingError(f"config {path}: not valid YAML ({error})") from error
+        raise TrainingError(f"config {path}: not valid YAML ({' '.join(str(error).split())})") from error
     if document is None:
         return {}
     if not isinstance(document, dict):
@@ -109,11 +130,34 @@ def _coerce(value: Any, declared: str, source: str) -> Any:
         raise TrainingError(f"{source} must be {'an int' if kind == 'int' else 'a number'}, got {value!r}")
     try:
         number = float(value) if kind == "float" else int(value)
-    except ValueError as error:
+    except (ValueError, OverflowError) as error:  # OverflowError: int(inf)
         raise TrainingError(f"{source} must be {'an int' if kind == 'int' else 'a number'}, got {value!r}") from error
     if kind == "int" and isinstance(value, float) and value != number:
         raise TrainingError(f"{source} must be an int, got {value!r}")
     return number
+
+
+def _refuse_unknown(values: Mapping[str, Any], sources: Mapping[str, str], known: list[str]) -> None:
+    """An unknown option is refused, with the closest known one when it looks like a typo."""
+    import difflib
+
+    for name in sorted(set(values) - set(known)):
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else f"; options: {', '.join(known)}"
+        raise TrainingError(f"{sources[name]} is unknown{hint}")
+
+
+#: Options that the first one makes meaningless: given together they are refused, never silently dropped.
+_CONFLICTS = (
+    ("hf", "preset", "a --hf checkpoint brings its own architecture; give --preset or --hf, not both"),
+    ("task", "dp", "an online task runs on one process and plans each step for it; --dp applies to a fixed batch"),
+)
+
+
+def _refuse_conflicts(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
+    for first, second, why in _CONFLICTS:
+        if values.get(first) is not None and values.get(second) is not None:
+            raise TrainingError(f"{sources[first]} and {sources[second]} do not go together: {why}")
 
 
 def load_options(flags: Mapping[str, Any], config: str | os.PathLike | None = None) -> RunOptions:
@@ -129,6 +173,7 @@ def load_options(flags: Mapping[str, Any], config: str | os.PathLike | None = No
         if value is not None:
             values[key] = value
             sources[key] = f"option --{key.replace('_', '-')}"
+    _refuse_conflicts(values, sources)
     if values.get("mode") == "both":
         if not values.get("task"):
             raise TrainingError(f"{sources['mode']}: 'both' runs HARTS and the baseline side by side on an online task; give --task")
@@ -144,16 +189,17 @@ def load_options(flags: Mapping[str, Any], config: str | os.PathLike | None = No
                 values[key] = value
                 sources[key] = f"task {values['task']!r}: default '{key}'"
     train_fields = set(TrainConfig.field_names())
-    unknown = sorted(set(values) - set(_RUN_FIELDS) - train_fields)
-    if unknown:
-        raise TrainingError(f"{sources[unknown[0]]} is unknown; options: {', '.join(sorted(set(_RUN_FIELDS) | train_fields))}")
+    _refuse_unknown(values, sources, sorted(set(_RUN_FIELDS) | train_fields))
     declared = {f.name: str(f.type) for f in (*attrs.fields(RunOptions), *attrs.fields(TrainConfig))}
     for name, value in values.items():
         values[name] = _coerce(value, declared[name], sources[name])
+        problem = option_problem(TrainConfig if name in train_fields else RunOptions, name, values[name])
+        if name == "model" and not isinstance(values[name], Mapping):
+            problem = f"must be a mapping of model config fields (e.g. num_layers: 2), got {values[name]!r}"
+        if problem is not None:
+            raise TrainingError(f"{sources[name]} {problem}")
     train_values = {**CLI_TRAIN_DEFAULTS, **{k: v for k, v in values.items() if k in train_fields}}
     run_values = {k: v for k, v in values.items() if k in _RUN_FIELDS}
-    if "model" in run_values and not isinstance(run_values["model"], Mapping):
-        raise TrainingError(f"{sources['model']} must be a mapping of model config fields")
     if run_values.get("hf") and run_values.get("model"):
         raise TrainingError("model overrides apply to presets; a --hf checkpoint brings its own config")
     return RunOptions(**run_values, train=TrainConfig(**train_values))
