@@ -87,6 +87,13 @@ def _columns(d: Mapping[str, Any], framework: str, ignore: Iterable[str]) -> dic
     if not isinstance(d, Mapping):
         raise RolloutInputError(f"{framework} batch: expected a dict of tensors, got {type(d).__name__}")
     skipped = set(ignore)
+    unknown = sorted(skipped - set(d))
+    if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], [str(key) for key in d], n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"keys: {', '.join(sorted(map(str, d)))}"
+        raise RolloutInputError(f"{framework} batch: --ignore '{unknown[0]}' names no key of the batch; {hint}")
     out = {}
     for key, value in d.items():
         if key in skipped or value is None:
@@ -391,7 +398,14 @@ def _flat(array: np.ndarray, form: str, key: str, token_count: int, trailing: in
     if form == "rows":
         if array.dtype != object and array.ndim < 2 or array.dtype == object and len(array) and isinstance(array[0], (str, bytes)):
             return None  # per trajectory
-        flat = np.concatenate([np.asarray(row) for row in array]) if len(array) else np.zeros(0)
+        try:
+            flat = np.concatenate([np.asarray(row) for row in array]) if len(array) else np.zeros(0)
+        except ValueError:
+            shapes = sorted({np.shape(row)[1:] for row in array}, key=str)
+            raise RolloutInputError(
+                f"areal batch, key '{key}': its rows are ragged (per-token entries of shapes {', '.join(map(str, shapes))}); "
+                "give one value (or one array of one shape) per token"
+            ) from None
     elif form == "packed":
         flat = array
     else:
