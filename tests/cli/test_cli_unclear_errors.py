@@ -145,3 +145,14 @@ def test_hf_with_a_bin_checkpoint_the_safe_loader_refuses(checkpoint, tmp_path):
 
 def test_ansi_escapes_are_stripped_from_error_text():
     assert _one_line("\x1b[1;31mRuntimeError\x1b[0m: bad\n  thing") == "RuntimeError: bad thing"
+
+
+def test_kernel_bench_without_fla_is_a_clear_error(tmp_path):
+    from harts.kernels.linear_attention.chunk import fla_available
+    from harts_bench.runtime import main
+
+    if fla_available():
+        pytest.skip("flash-linear-attention is installed: the kernel bench runs")
+    with pytest.raises(HartsError, match="--kernel-bench times flash-linear-attention's kernels"):
+        main(["--device", "cpu", "--kernel-bench", "--out", str(tmp_path / "bench.json")])
+    assert not (tmp_path / "bench.json").exists()
