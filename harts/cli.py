@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -46,8 +47,12 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INF
     )
 
 
+#: Terminal escape sequences (colours, cursor moves): torch and transformers colour some messages.
+_ANSI_ESCAPE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
+
+
 def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
+    return " ".join(_ANSI_ESCAPE.sub("", str(text)).split())
 
 
 def _fail(error: Exception | str) -> None:

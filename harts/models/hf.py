@@ -452,15 +452,34 @@ def _from_path(path: str, *, dtype: Any) -> HybridModel:
         raise HFModelError(f"from_hf: {path!r} is not a local directory (HARTS loads local files only)")
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise HFModelError(f"from_hf: {path} holds no config.json; give a Hugging Face checkpoint directory")
+    # transformers reports a bad checkpoint with a dozen exception types (OSError, ValueError, KeyError,
+    # safetensors' own, torch's unpickling refusals...): each becomes an HFModelError naming the directory.
+    try:
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as error:  # noqa: BLE001 - see above
+        raise HFModelError(f"from_hf: {path}: cannot read its config.json ({_short(error)})") from None
     _model_type(hf_config)
     weight_files = [name for name in os.listdir(path) if name.endswith((".safetensors", ".bin", ".safetensors.index.json"))]
     if not weight_files:
         logger.info("from_hf: %s holds a config only; building a freshly initialised model", path)
         return _from_config(hf_config, dtype=dtype)
     kwargs = {"dtype": getattr(torch, _dtype_name(dtype, "dtype="))} if dtype is not None else {}
-    hf_model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
+    except Exception as error:  # noqa: BLE001 - see above
+        raise HFModelError(
+            f"from_hf: {path}: cannot load the weights ({_short(error)}); HARTS reads safetensors checkpoints "
+            "that match their config.json (a .bin checkpoint must be one torch can load with weights_only=True)"
+        ) from None
     return _from_model(hf_model)
+
+
+def _short(error: Exception) -> str:
+    """An exception as one short line: transformers' messages run to paragraphs."""
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
 
 
 def _from_config(hf_config: Any, *, dtype: Any) -> HybridModel:

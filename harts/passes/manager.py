@@ -27,6 +27,7 @@ from typing import TextIO
 
 from harts.errors import HartsError, IRVerificationError, OutputError, PipelineError
 from harts.fsio import atomic_write_bytes
+from harts.ir.nodes import Phase
 from harts.ir.text import print_ir
 from harts.ir.verify import verify
 from harts.passes.base import Pass, PassContext, Stage
@@ -148,6 +149,12 @@ def _check_requires(step: Pass, module: Stage | None, done: Sequence[str]) -> No
             raise PipelineError(f"pass {step.name!r} starts a pipeline from the batch, but it comes after a {module.phase} module ({_history(done)})")
     elif module is None:
         raise PipelineError(f"pass {step.name!r} needs phase {step.requires}, but the pipeline has no module yet; start it with 'lower'")
+    elif module.phase == Phase.LAID_OUT:
+        # codegen's laid-out plan is the end of every pipeline: no pass reads one
+        raise PipelineError(
+            f"pass {step.name!r} comes after the pipeline already produced the laid-out plan ({_history(done)}); "
+            "'codegen' is the last pass of a pipeline: name it once, at the end"
+        )
     elif module.phase < step.requires:
         raise PipelineError(
             f"pass {step.name!r} needs phase {step.requires} but the module is {module.phase} ({_history(done)}); "

@@ -32,8 +32,12 @@ FINITE_FIELDS = ("loss_mask", "advantages", "advantage", "reward", "importance_s
 #: kept, the losses read it as such.
 LOG_PROB_FIELDS = ("old_log_probs", "old_logprobs", "behavior_log_probs", "ref_log_probs", "ref_logprobs",
                    "reference_log_probs", "rollout_logprobs", "rollout_log_probs")
-#: Field names HARTS reads; another name this close to one (difflib ratio) is taken for a misspelling.
+#: Field names HARTS reads.
 KNOWN_FIELDS = (*FINITE_FIELDS, *LOG_PROB_FIELDS, "group_id")
+#: The fields whose misspelling would go unnoticed (the real one silently defaults: a mask of ones, log-probs
+#: recomputed, no reference KL, trees as groups); another name this close to one (difflib ratio) is refused.
+#: Frameworks' own plurals (AReaL's ``rewards``) are not near these and pass as extra fields.
+MISSPELLING_TARGETS = ("loss_mask", "advantages", "old_log_probs", "ref_log_probs", "group_id")
 MISSPELLING_CUTOFF = 0.8
 #: NumPy kinds a per-token field may have (what node tables store and read back).
 TOKEN_FIELD_KINDS = "biuf"
@@ -261,11 +265,11 @@ def refuse_misspelt_field(name: str) -> None:
 
     if name in KNOWN_FIELDS or routed_experts_key(name) is not None:
         return
-    close = difflib.get_close_matches(name, KNOWN_FIELDS, n=1, cutoff=MISSPELLING_CUTOFF)
+    close = difflib.get_close_matches(name, MISSPELLING_TARGETS, n=1, cutoff=MISSPELLING_CUTOFF)
     if close:
         raise RolloutInputError(
             f"field '{name}' is not one HARTS reads and looks like a misspelling: did you mean '{close[0]}'? "
-            f"(rename the field; HARTS reads {', '.join(KNOWN_FIELDS)})"
+            f"(kept, '{close[0]}' would take its default; rename the field)"
         )
 
 

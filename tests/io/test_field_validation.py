@@ -40,8 +40,8 @@ def test_non_finite_log_probs_in_a_node_table_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize(("typo", "meant"), [("loss_maks", "loss_mask"), ("los_mask", "loss_mask"),
-                                             ("advantagse", "advantage"), ("old_log_prob", "old_log_probs"),
-                                             ("rewrad", "reward")])
+                                             ("advantagse", "advantages"), ("old_log_prob", "old_log_probs"),
+                                             ("ref_logprob", "ref_log_probs"), ("grop_id", "group_id")])
 def test_a_misspelt_field_is_refused_with_the_field_it_looks_like(typo, meant):
     tokens = [[1, 2, 3], [1, 2, 4]]
     value = [[0, 1, 1], [0, 1, 1]] if "mask" in typo or "log" in typo or "adv" in typo else [1.0, 0.0]
@@ -50,8 +50,9 @@ def test_a_misspelt_field_is_refused_with_the_field_it_looks_like(typo, meant):
 
 
 def test_unrelated_extra_fields_are_kept():
-    batch = harts.RolloutBatch.from_trajectories([[1, 2, 3]], uid=["a"], values=[[0.1, 0.2, 0.3]], score=[1.0])
-    assert set(batch.trajectory_fields) == {"uid", "score"} and "values" in batch.token_fields
+    batch = harts.RolloutBatch.from_trajectories([[1, 2, 3]], uid=["a"], values=[[0.1, 0.2, 0.3]], score=[1.0],
+                                                 rewards=[1.0], prox_logp=[[0.0, -1.0, -1.0]])
+    assert set(batch.trajectory_fields) == {"uid", "score", "rewards"} and {"values", "prox_logp"} <= set(batch.token_fields)
 
 
 @given(huge=st.integers(2**63, 2**80), position=st.integers(0, 4))
