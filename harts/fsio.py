@@ -172,6 +172,32 @@ def foreign_entries(path: Path, allowed: frozenset[str] | set[str], what: str) -
     return None, names
 
 
+def _swap_in(staging: Path, path: Path, is_ours: Callable[[Path], bool]) -> None:
+    """Move the staged directory to ``path``: a rename when ``path`` is new, else an exchange with the old one.
+
+    Another writer may create ``path`` between our look and our rename (two first saves of one
+    plan at once): the rename then fails with ENOTEMPTY or EEXIST, and that writer's directory
+    is replaced like any existing target, if it is ours.
+    """
+    if not path.exists():
+        try:
+            os.rename(staging, path)
+            return
+        except OSError as error:
+            if error.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not path.is_dir():
+                raise
+        if not is_ours(path):
+            raise FileExistsError(errno.EEXIST, "appeared while saving and is not ours to replace", str(path))
+    if _exchange(staging, path):
+        shutil.rmtree(staging, ignore_errors=True)  # now holds the old artifact
+        return
+    logger.warning("%s: this filesystem cannot swap directories atomically; replacing it in two renames", path)
+    retired = _new_temporary(path)
+    os.rename(path, retired)
+    os.rename(staging, path)
+    shutil.rmtree(retired, ignore_errors=True)
+
+
 def replace_directory(path: str | os.PathLike, files: dict[str, bytes], is_ours: Callable[[Path], bool]) -> Path:
     """Write ``files`` as the directory ``path``; an existing ``path`` is replaced only if ``is_ours(path)``.
 
@@ -195,18 +221,7 @@ def replace_directory(path: str | os.PathLike, files: dict[str, bytes], is_ours:
                 os.fsync(stream.fileno())
             os.chmod(target, file_mode)
         _fsync_directory(staging)
-        if not path.exists():
-            os.rename(staging, path)
-        elif _exchange(staging, path):
-            shutil.rmtree(staging, ignore_errors=True)  # now holds the old artifact
-        else:
-            logger.warning(
-                "%s: this filesystem cannot swap directories atomically; replacing the plan in two renames", path
-            )
-            retired = _new_temporary(path)
-            os.rename(path, retired)
-            os.rename(staging, path)
-            shutil.rmtree(retired, ignore_errors=True)
+        _swap_in(staging, path, is_ours)
     except BaseException:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
