@@ -403,11 +403,15 @@ def _node_table_reason(path: Path) -> str | None:
     from harts.rollouts.batch import RolloutBatch
 
     try:
-        if _node_table_schema_hash(path) is None:
-            return "it records no HARTS content hash"
+        content_hash = _node_table_schema_hash(path)
+    except Exception:  # pyarrow and json raise several types for files that are not node tables
+        return "it holds no HARTS node-table schema"
+    if content_hash is None:
+        return "it records no HARTS content hash"
+    try:
         RolloutBatch.read(path)  # checks the rows against that hash
     except Exception:  # any failure to read it back means it is not a table HARTS wrote as it is
-        return "it does not read back as the node table HARTS wrote (its rows and content hash disagree)"
+        return "it does not read back as HARTS wrote it: its rows and content hash disagree"
     return None
 
 
