@@ -301,7 +301,7 @@ def png_metadata(what: str) -> dict[str, str]:
 def metrics_line(record: dict) -> bytes:
     """One metrics record as HARTS appends it: the marker first, then the record's keys in order, one line."""
     marked = {METRICS_MARKER: __version__, **{key: record[key] for key in sorted(record)}}
-    return (json.dumps(marked, allow_nan=False) + "\n").encode()
+    return (json.dumps(marked) + "\n").encode()
 
 
 def dump_stage_header(index: int, name: str) -> str:
