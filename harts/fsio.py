@@ -356,27 +356,21 @@ def _png_reason(path: Path) -> str | None:
     return None
 
 
-def _is_metrics_record(line: bytes) -> bool:
-    if not line.startswith(_METRICS_PREFIX):
-        return False
-    try:
-        record = json.loads(line)
-    except (ValueError, RecursionError):
-        return False
-    return isinstance(record, dict) and isinstance(record.get(METRICS_MARKER), str)
-
-
 def _metrics_reason(path: Path) -> str | None:
-    """None for an empty file or one of whole HARTS records (a fragment of one may end it, from a killed run)."""
+    """None for an empty file or one whose every line starts with the HARTS marker.
+
+    A line may be the fragment of a record that a killed run was writing (the appender starts the
+    next record on a new line), so the marker at the start of the line is what is checked.
+    """
     with open(path, "rb") as handle:
         for number in itertools.count(1):
             line = handle.readline(_RECORD_LINE_LIMIT)
             if not line:
                 return None
-            if not line.endswith(b"\n") and len(line) < _RECORD_LINE_LIMIT and line.startswith(_METRICS_PREFIX):
-                return None  # the unterminated tail of a record HARTS was writing when it was killed
-            if not _is_metrics_record(line):
+            if not line.startswith(_METRICS_PREFIX):
                 return f"line {number} is not a metrics record HARTS wrote"
+            if len(line) == _RECORD_LINE_LIMIT and not line.endswith(b"\n"):
+                return f"line {number} is longer than any metrics record HARTS writes"
     return None  # unreachable: itertools.count never ends
 
 
