@@ -50,6 +50,7 @@ from harts.errors import OutputError
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "CHECKPOINT",
     "IR_DUMP",
     "IR_DUMP_STAGE",
     "METRICS",
@@ -343,6 +344,12 @@ def _plan_directory_reason(path: Path) -> str | None:
     return _why_not_a_plan_directory(path)
 
 
+def _checkpoint_reason(path: Path) -> str | None:
+    from harts.models.checkpoint import _why_not_ours  # the checkpoint's own format check; it imports fsio
+
+    return _why_not_ours(path)
+
+
 def _png_reason(path: Path) -> str | None:
     from PIL import Image
 
@@ -435,6 +442,7 @@ def _ir_dump_reason(path: Path) -> str | None:
 PLAN_DIRECTORY = OutputKind("a HARTS plan", "the plan", True, _plan_directory_reason)
 PLAN_FILE = OutputKind("a HARTS single-file plan", "the plan", False, _plan_file_reason)
 WEIGHTS = OutputKind("a weights file HARTS wrote", "the weights", False, _weights_reason)
+CHECKPOINT = OutputKind("a checkpoint HARTS wrote", "the checkpoint", True, _checkpoint_reason)
 METRICS = OutputKind("a HARTS metrics file", "the metrics", False, _metrics_reason)
 PNG = OutputKind("a figure HARTS drew", "the figure", False, _png_reason)
 NODE_TABLE = OutputKind("a node table HARTS wrote", "the node table", False, _node_table_reason)

@@ -338,3 +338,16 @@ def test_save_weights_refuses_foreign_files_and_replaces_its_own(tmp_path):
     save_weights(model, target)
     save_weights(model, target)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.safetensors", "thesis.txt", "w.safetensors"]
+
+
+def test_save_pretrained_follows_the_same_rule(tmp_path):
+    from harts.models import HFModelError, save_pretrained
+    from tests.helpers import tiny_model
+
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(HFModelError, match="notes.txt is not a directory"):
+        save_pretrained(tiny_model(), tmp_path / "notes.txt" / "checkpoint")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "link")
+    with pytest.raises(HFModelError, match="it is a symbolic link"):
+        save_pretrained(tiny_model(), tmp_path / "link")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "notes.txt"]
