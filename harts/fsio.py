@@ -440,7 +440,7 @@ def _ir_dump_reason(path: Path) -> str | None:
 
 
 PLAN_DIRECTORY = OutputKind("a HARTS plan", "the plan", True, _plan_directory_reason)
-PLAN_FILE = OutputKind("a HARTS single-file plan", "the plan", False, _plan_file_reason)
+PLAN_FILE = OutputKind("a HARTS plan", "the plan", False, _plan_file_reason)
 WEIGHTS = OutputKind("a weights file HARTS wrote", "the weights", False, _weights_reason)
 CHECKPOINT = OutputKind("a checkpoint HARTS wrote", "the checkpoint", True, _checkpoint_reason)
 METRICS = OutputKind("a HARTS metrics file", "the metrics", False, _metrics_reason)
