@@ -35,8 +35,8 @@ from safetensors.numpy import save as save_tensors
 
 from harts._version import __version__
 from harts.binding import BoundPlan, bind
-from harts.errors import HartsError, PlanArtifactError
-from harts.fsio import atomic_write_bytes, foreign_entries, replace_directory
+from harts.errors import HartsError, OutputError, PlanArtifactError
+from harts.fsio import PLAN_DIRECTORY, PLAN_FILE, atomic_write_bytes, check_output, foreign_entries, replace_directory
 from harts.ir.layout import LaidOutModule, MicrobatchLayout
 from harts.ir.nodes import Module, Phase
 from harts.ir.text import parse_ir, print_ir
@@ -252,6 +252,10 @@ class Plan:
     def save(self, path: str | os.PathLike) -> Path:
         """Write the artifact atomically: a directory, or one file if ``path`` ends in ``.safetensors``."""
         path = Path(path)
+        try:  # the output-ownership rule (harts.fsio), before any work: new, or a plan HARTS wrote
+            check_output(path, PLAN_FILE if path.suffix == ".safetensors" else PLAN_DIRECTORY)
+        except OutputError as error:
+            raise PlanArtifactError(str(error)) from None
         ir_text = self.ir_text()
         tensors = self.index_tensors()
         if path.suffix == ".safetensors":
