@@ -17,10 +17,11 @@ Every file HARTS writes goes through here, so the guarantees hold everywhere:
 
 The output-ownership rule, one for every file and directory HARTS writes (:func:`check_outputs`):
 HARTS writes a path only when nothing is there yet or when what is there is recognisably its
-own artifact of the same kind (each :class:`OutputKind` says how to recognise one: a plan's
-manifest, a marker in safetensors or PNG metadata or on every metrics record, a node table whose
-content hash matches); it never writes onto, into or around an input of the same run, nor lets
-two outputs of one run share a path. Commands check all their outputs before any work starts,
+own artifact of the same kind (each :class:`OutputKind` says how to recognise one: a marker in
+safetensors or PNG metadata, at the start of every metrics record or of every IR stage file here;
+a plan's manifest in :mod:`harts.plan`, a checkpoint's in :mod:`harts.models.checkpoint`, a node
+table whose content hash matches its rows in :mod:`harts.rollouts.batch`); it never writes onto,
+into or around an input of the same run, nor lets two outputs of one run share a path. Commands check all their outputs before any work starts,
 and every writer checks its target again just before it writes.
 
 Hand-written because neither the standard library nor the project's dependencies offer an
@@ -50,25 +51,29 @@ from harts.errors import OutputError
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "ARTIFACT_KEY",
     "IR_DUMP",
     "IR_DUMP_STAGE",
     "METRICS",
+    "METRICS_MARKER",
     "OutputKind",
     "PLOT_DIRECTORY",
     "PNG",
+    "RECORD_LINE_LIMIT",
     "RecordAppender",
     "WEIGHTS",
     "atomic_write_bytes",
+    "atomic_write_with",
     "check_output",
     "check_outputs",
     "dump_stage_header",
+    "foreign_entries",
     "metrics_line",
     "png_metadata",
     "prepare_ir_dump",
-    "atomic_write_with",
-    "foreign_entries",
-    "replace_directory",
     "remove_stale_temporaries",
+    "replace_directory",
+    "safetensors_metadata",
     "temporary_prefix",
 ]
 
