@@ -119,12 +119,12 @@ def compile_command(
     time_passes: bool = typer.Option(False, "--time-passes", help="Print the time of every pass."),
 ) -> None:
     """Compile a rollout batch into a plan artifact."""
-    from harts.fsio import IR_DUMP, PLAN_DIRECTORY, PLAN_FILE, check_outputs
+    from harts.fsio import IR_DUMP, check_outputs
     from harts.passes.manager import DumpIR, PrintIRAfter, TimePasses
+    from harts.plan import plan_output_kind
     from harts.rollouts.inputs import input_path, resolve_input
 
-    plan_kind = PLAN_FILE if output.suffix == ".safetensors" else PLAN_DIRECTORY
-    check_outputs([("--output", output, plan_kind), ("--dump-ir", dump_ir, IR_DUMP)], [input_path(input)])
+    check_outputs([("--output", output, plan_output_kind(output)), ("--dump-ir", dump_ir, IR_DUMP)], [input_path(input)])
     instruments = []
     if print_ir_after_all:
         instruments.append(PrintIRAfter(None))
@@ -198,8 +198,9 @@ def convert_command(
     ignore: Optional[list[str]] = typer.Option(None, "--ignore", help="Batch key to leave out (repeatable)."),
 ) -> None:
     """Convert an RL framework's saved batch into a HARTS node table (trees recovered by token prefixes)."""
-    from harts.fsio import NODE_TABLE, check_outputs
+    from harts.fsio import check_outputs
     from harts.interop import read_framework_batch
+    from harts.rollouts import NODE_TABLE
 
     check_outputs([("--output", output, NODE_TABLE)], [input])
     with console.status(f"reading {input}"):

@@ -36,7 +36,7 @@ from safetensors.numpy import save as save_tensors
 from harts._version import __version__
 from harts.binding import BoundPlan, bind
 from harts.errors import HartsError, OutputError, PlanArtifactError
-from harts.fsio import PLAN_DIRECTORY, PLAN_FILE, atomic_write_bytes, check_output, foreign_entries, replace_directory
+from harts.fsio import OutputKind, atomic_write_bytes, check_output, foreign_entries, replace_directory
 from harts.ir.layout import LaidOutModule, MicrobatchLayout
 from harts.ir.nodes import Module, Phase
 from harts.ir.text import parse_ir, print_ir
@@ -253,7 +253,7 @@ class Plan:
         """Write the artifact atomically: a directory, or one file if ``path`` ends in ``.safetensors``."""
         path = Path(path)
         try:  # the output-ownership rule (harts.fsio), before any work: new, or a plan HARTS wrote
-            check_output(path, PLAN_FILE if path.suffix == ".safetensors" else PLAN_DIRECTORY)
+            check_output(path, plan_output_kind(path))
         except OutputError as error:
             raise PlanArtifactError(str(error)) from None
         ir_text = self.ir_text()
@@ -322,6 +322,20 @@ def _is_plan_file(path: Path) -> bool:
             return "harts" in (handle.metadata() or {})
     except Exception:  # safetensors raises several types for files that are not its own
         return False
+
+
+def _why_not_a_plan_file(path: Path) -> str | None:
+    return None if _is_plan_file(path) else "it is not a safetensors file whose metadata holds a HARTS plan manifest"
+
+
+#: Plan targets for the output-ownership rule (:func:`harts.fsio.check_outputs`): HARTS replaces only plans it wrote.
+PLAN_DIRECTORY = OutputKind("a HARTS plan", "the plan", True, _why_not_a_plan_directory)
+PLAN_FILE = OutputKind("a HARTS plan", "the plan", False, _why_not_a_plan_file)
+
+
+def plan_output_kind(path: str | os.PathLike) -> OutputKind:
+    """The kind of plan :meth:`Plan.save` writes at ``path``: one file for ``.safetensors``, else a directory."""
+    return PLAN_FILE if Path(path).suffix == ".safetensors" else PLAN_DIRECTORY
 
 
 def _refuse_foreign_target(path: Path, why: str) -> PlanArtifactError:
