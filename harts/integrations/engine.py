@@ -137,7 +137,7 @@ class HartsEngine:
             return held[1]
         if held is not None:
             logger.info("HARTS: %s's tensors were replaced; sharing them again", type(hf_model).__name__)
-        model = share_hf(hf_model, chunk_size=self.plans.chunk_size)
+        model = share_hf(hf_model)
         self._shared[id(hf_model)] = (hf_model, model)
         return model
 

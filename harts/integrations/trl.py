@@ -13,7 +13,9 @@ trainer's own model through :func:`harts.models.share_hf` (the same parameter ob
 gradients land on them and the optimizer, checkpoints and weight sync see the trained model)
 on a plan compiled once per generation batch: the batch is compiled the first time a pass
 sees its rollouts, and the other passes over the same rollouts (in any order, as TRL shuffles
-them) reuse that plan. The router load-balancing loss of MoE models is transformers'
+them) reuse that plan. With ``steps_per_generation > 1`` TRL cuts the generation batch into
+training micro-batches after the old and reference passes; each micro-batch then has a plan of
+its own (compiled at its first policy pass and reused by the next ``num_iterations - 1``). The router load-balancing loss of MoE models is transformers'
 ``load_balancing_loss_func`` over every real token, as TRL's fused head computes it.
 
 Refused with :class:`~harts.integrations.engine.IntegrationError`: several processes (the
@@ -64,7 +66,9 @@ class HartsGRPOTrainer(GRPOTrainer):
         self._harts = None
         if use_harts:
             self._refuse_after_init()
-            self._harts = HartsEngine(capacity=args.harts_capacity, chunk_size=args.harts_chunk_size)
+            # room for the generation batch's plan and one per training micro-batch cut from it
+            cache_size = max(4, args.steps_per_generation + 2)
+            self._harts = HartsEngine(capacity=args.harts_capacity, chunk_size=args.harts_chunk_size, cache_size=cache_size)
             # share now, so a model HARTS cannot compute fails here rather than at the first step
             self._harts.model_for(self.accelerator.unwrap_model(self.model))
             if self.ref_model is not None:

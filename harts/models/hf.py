@@ -499,8 +499,11 @@ def _from_model(hf_model: nn.Module, *, chunk_size: int) -> HybridModel:
     return model
 
 
-def checked_hf_config(hf_model: nn.Module, *, chunk_size: int) -> tuple[HybridConfig, str]:
-    """The HybridConfig of a transformers model instance, after checking its class and modules; and its model_type."""
+def checked_hf_config(hf_model: nn.Module, **options: Any) -> tuple[HybridConfig, str]:
+    """The HybridConfig of a transformers model instance, after checking its class and modules; and its model_type.
+
+    ``options`` go to :func:`hybrid_config_from_hf` (its dtype is the model's).
+    """
     hf_config = getattr(hf_model, "config", None)
     if hf_config is None:
         raise HFModelError(f"{type(hf_model).__name__} is not a transformers model (it has no .config)")
@@ -512,7 +515,7 @@ def checked_hf_config(hf_model: nn.Module, *, chunk_size: int) -> tuple[HybridCo
             f"{type(hf_model).__name__}"
         )
     hf_dtype = _hf_dtype_of(hf_model)
-    config = hybrid_config_from_hf(hf_config, chunk_size=chunk_size, dtype=hf_dtype)
+    config = hybrid_config_from_hf(hf_config, dtype=hf_dtype, **options)
     tied = hf_model.lm_head.weight is hf_model.get_input_embeddings().weight
     if tied != config.tie_word_embeddings:
         config = attrs.evolve(config, tie_word_embeddings=tied)

@@ -32,16 +32,15 @@ logger = logging.getLogger(__name__)
 __all__ = ["is_shared", "share_hf"]
 
 
-def share_hf(hf_model: nn.Module, *, chunk_size: int = 64) -> HybridModel:
+def share_hf(hf_model: nn.Module) -> HybridModel:
     """A :class:`HybridModel` computing ``hf_model``'s function on ``hf_model``'s own parameters and buffers.
 
     ``hf_model`` is a ``Qwen3NextForCausalLM`` or ``KimiLinearForCausalLM`` (the checks of
     :func:`~harts.models.from_hf` apply: adapters, quantised or foreign modules are refused
-    with :class:`~harts.models.HFModelError`). ``chunk_size`` is the model config's
-    linear-attention chunk size, used by the trajectory-wise baseline; a compiled plan runs at
-    its own chunk size. Nothing is copied: see the module docstring.
+    with :class:`~harts.models.HFModelError`). A compiled plan runs at the chunk size it was
+    compiled for. Nothing is copied: see the module docstring.
     """
-    config, model_type = checked_hf_config(hf_model, chunk_size=chunk_size)
+    config, model_type = checked_hf_config(hf_model)
     with torch.device("meta"):
         model = HybridModel(config)
     tensors = mapped_hf_state(hf_model, model, model_type, keep_vars=True)

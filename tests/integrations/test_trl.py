@@ -200,3 +200,43 @@ def test_use_harts_false_is_stock_trl(tmp_path):
     got, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 3)
     want, _, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, mask, 3)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("architecture", ["qwen3_next", "kimi_linear"])
+def test_the_replaced_method_returns_what_trls_returns(architecture, tmp_path):
+    """TRL's contract of ``_get_per_token_logps_and_entropies`` on left/right-padded rows at temperature 0.7.
+
+    The same trainer, the same model: HARTS' override against TRL's own method (its fused LM
+    head), values and the gradients of a random weighting of log-probs, entropies and aux loss.
+    """
+    path = saved_model(architecture, tmp_path / "model")
+    model = load(architecture, path)
+    args = HartsGRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+                           bf16=False, use_cpu=True, report_to=[], temperature=0.7, harts_chunk_size=8,
+                           router_aux_loss_coef=0.01)
+    trainer = HartsGRPOTrainer(model=model, reward_funcs=SeededReward(), args=args, train_dataset=prompts(),
+                               processing_class=tokenizer(model.config.pad_token_id))
+    generator = torch.Generator().manual_seed(5)
+    prompt_lengths, completion_lengths, width = [4, 7, 7, 2], [6, 1, 9, 0], (7, 9)
+    ids = torch.randint(3, VOCAB, (4, sum(width)), generator=generator)
+    mask = torch.zeros_like(ids)
+    for row, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)):
+        mask[row, width[0] - p : width[0] + c] = 1
+    weights = torch.randn(3, 4, width[1], generator=generator)
+
+    def run(method):
+        model.zero_grad(set_to_none=True)
+        logps, entropies, aux = method(trainer, trainer.model, ids, mask, width[1], compute_entropy=True, compute_aux_loss=True)
+        ((weights[0] * logps).sum() + (weights[1] * entropies).sum() + 3.0 * aux).backward()
+        return logps.detach(), entropies.detach(), aux.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    got = run(HartsGRPOTrainer._get_per_token_logps_and_entropies)
+    want = run(trl.GRPOTrainer._get_per_token_logps_and_entropies)
+    completion = mask[:, width[0]:].bool()
+    for value, expected in zip(got[:2], want[:2]):
+        assert torch.equal(value[~completion], torch.zeros_like(value[~completion]))  # padding is 0, as in TRL
+        assert float((value - expected).abs().max()) <= 2e-5
+    assert abs(float(got[2]) - float(want[2])) <= 1e-5 * float(want[2])
+    assert set(got[3]) == set(want[3])
+    for name, grad in got[3].items():
+        assert float((grad - want[3][name]).abs().max()) <= 1e-4 * max(1.0, float(want[3][name].abs().max())), name

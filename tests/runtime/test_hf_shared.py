@@ -48,7 +48,7 @@ TREE = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7], [3, 1, 4, 1, 5, 9, 2, 6, 7, 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_the_shared_model_holds_the_transformers_tensors(architecture):
     hf = transformers_model(architecture)
-    model = share_hf(hf, chunk_size=CHUNK)
+    model = share_hf(hf)
     assert is_shared(model, hf)
     names = hf_key_map(model)
     theirs = hf.state_dict(keep_vars=True)
@@ -62,7 +62,7 @@ def test_the_shared_model_holds_the_transformers_tensors(architecture):
     assert storages <= {t.untyped_storage().data_ptr() for t in theirs.values()}
     if architecture == "qwen3_next_tied":
         assert model.lm_head.weight is model.embed_tokens.weight is hf.lm_head.weight
-    copy = from_hf(hf, chunk_size=CHUNK)
+    copy = from_hf(hf)
     assert not is_shared(copy, hf)
 
 
@@ -70,7 +70,7 @@ def test_the_shared_model_holds_the_transformers_tensors(architecture):
 @given(trajectories=token_trees(chunk_size=CHUNK, max_trajectories=4, max_length=24, vocab=6), architecture=st.sampled_from(ARCHITECTURES))
 def test_the_shared_model_computes_what_a_copy_computes(trajectories, architecture):
     hf = transformers_model(architecture)
-    shared, copy = share_hf(hf, chunk_size=CHUNK), from_hf(hf, chunk_size=CHUNK)
+    shared, copy = share_hf(hf), from_hf(hf)
     with torch.no_grad():
         got, want = plan_log_probs(shared, trajectories), plan_log_probs(copy, trajectories)
     assert torch.equal(got.packed, want.packed)
@@ -80,7 +80,7 @@ def test_the_shared_model_computes_what_a_copy_computes(trajectories, architectu
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_an_optimizer_step_on_the_transformers_parameters_is_what_the_next_pass_sees(architecture):
     hf = transformers_model(architecture)
-    shared = share_hf(hf, chunk_size=CHUNK)
+    shared = share_hf(hf)
     with torch.no_grad():
         before = plan_log_probs(shared, TREE).packed.clone()
     optimizer = torch.optim.SGD(hf.parameters(), lr=0.5)
@@ -89,7 +89,7 @@ def test_an_optimizer_step_on_the_transformers_parameters_is_what_the_next_pass_
     optimizer.step()
     with torch.no_grad():
         after = plan_log_probs(shared, TREE).packed
-        expected = plan_log_probs(from_hf(hf, chunk_size=CHUNK), TREE).packed  # a copy of the stepped weights
+        expected = plan_log_probs(from_hf(hf), TREE).packed  # a copy of the stepped weights
     assert torch.equal(after, expected)
     assert float((after - before).abs().max()) > 1e-3
     assert is_shared(shared, hf)
@@ -99,7 +99,7 @@ def test_an_optimizer_step_on_the_transformers_parameters_is_what_the_next_pass_
 def test_a_harts_backward_fills_the_transformers_grads_with_transformers_gradient(architecture):
     """Float64, transformers' float32 downcasts lifted (see test_hf_models.py): one random weighting of the log-probs."""
     hf = transformers_model(architecture, torch.float64)
-    shared = share_hf(hf, chunk_size=CHUNK)
+    shared = share_hf(hf)
     generator = torch.Generator().manual_seed(1)
     weights = [torch.randn(len(t) - 1, generator=generator, dtype=torch.float64) for t in TREE]
 
@@ -130,7 +130,7 @@ def test_what_from_hf_refuses_share_hf_refuses():
 
 def test_replacing_the_transformers_tensors_ends_the_sharing():
     hf = transformers_model("kimi_linear")
-    shared = share_hf(hf, chunk_size=CHUNK)
+    shared = share_hf(hf)
     fresh = {key: value.clone() for key, value in hf.state_dict().items()}
     hf.load_state_dict(fresh, assign=True)
     assert not is_shared(shared, hf)
