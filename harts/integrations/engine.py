@@ -98,6 +98,10 @@ class PlanCache:
             return CompiledBatch(hit.batch, hit.plan, order)
         longest = max(len(t) for t in batch.tokens)
         capacity = max(longest, self.capacity or batch.semantic_tokens)
+        if self.capacity is not None and capacity > self.capacity:
+            # a trajectory never splits across microbatches: the longest one sets the floor
+            logger.warning("HARTS capacity %d is below the longest trajectory (%d tokens); planning with %d",
+                           self.capacity, longest, capacity)
         plan = compile_plan(batch, capacity=capacity, chunk_size=self.chunk_size)
         self.compiles += 1
         logger.info("HARTS plan %d: %d trajectories, %d tokens", self.compiles, len(batch.tokens), batch.semantic_tokens)
@@ -182,7 +186,9 @@ def capture_router_logits(model: HybridModel, *, enabled: bool):
             layer: list[tuple[torch.Tensor, torch.Tensor]] = []
             captured.append(layer)
             pending: list[torch.Tensor] = []
-            handles.append(block.register_forward_pre_hook(lambda _m, args, pending=pending: pending.append(args[1])))
+            handles.append(block.register_forward_pre_hook(
+                lambda _m, args, kwargs, pending=pending: pending.append(args[1] if len(args) > 1 else kwargs["row_weight"]),
+                with_kwargs=True))
             handles.append(block.gate.register_forward_hook(
                 lambda _m, _args, output, layer=layer, pending=pending: layer.append((output[0], pending.pop()))))
     try:

@@ -58,12 +58,13 @@ class HartsGRPOConfig(GRPOConfig):
 class HartsGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` whose policy, old and reference log-probs come from HARTS plans (see the module docstring)."""
 
+    _harts: HartsEngine | None = None  # None: TRL's own forward (use_harts=False)
+
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, *positional, **keywords):
         use_harts = bool(getattr(args, "use_harts", False))
         if use_harts:
             _refuse_before_init(args, keywords)
         super().__init__(model, reward_funcs, args, *positional, **keywords)
-        self._harts = None
         if use_harts:
             self._refuse_after_init()
             # room for the generation batch's plan and one per training micro-batch cut from it

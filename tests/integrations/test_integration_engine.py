@@ -127,3 +127,19 @@ def test_the_aux_loss_is_transformers_load_balancing_loss_over_every_token(archi
     assert abs(out.aux_loss.item() - want.item()) <= 1e-5 * want.item()
     (grad,) = torch.autograd.grad(out.aux_loss, [hf.model.layers[2].mlp.gate.weight])
     assert float((grad - want_grad).abs().max()) <= 1e-5 * float(want_grad.abs().max())
+
+
+def test_a_model_whose_tensors_were_replaced_is_shared_again():
+    hf = transformers_model("qwen3_next")
+    engine = HartsEngine(chunk_size=8)
+    trajectories = rollouts()
+    first = engine.model_for(hf)
+    hf.load_state_dict({key: value.clone() * 1.01 for key, value in hf.state_dict().items()}, assign=True)
+    out = engine.run(hf, trajectories)
+    again = engine.model_for(hf)
+    assert again is not first
+    with torch.no_grad():
+        want = harts.runtime.log_probs_baseline(again, harts.RolloutBatch.from_trajectories(trajectories), chunk_size=8)
+    assert all(float((g - w).abs().max()) <= 1e-5 for g, w in zip(out.log_probs, want.log_probs))
+    torch.cat(out.log_probs).sum().backward()
+    assert hf.lm_head.weight.grad is not None  # the gradient lands on the new tensors
