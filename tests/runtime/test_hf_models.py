@@ -180,14 +180,15 @@ def test_float64_at_transformers_chunk_size_64(architecture):
     architecture="qwen3_next",
 ).via("discovered failure")
 def test_float32_log_probs_match_transformers(trajectories, architecture):
-    """Close to transformers in float32, and no further than transformers from the exact function.
+    """Close to transformers in float32, and within float32 round-off of the exact function.
 
     Both implementations round in float32; on some random trees their round-off alone reaches
-    about 1e-4 of each other, so the absolute bound is loose and the sharp check is against the
-    float64 computation of the same weights: HARTS' mean error is at most twice transformers'
-    (over random trees it is 0.64 of it on average). The largest single-token error is held to
-    float32 round-off only: which implementation rounds worse at one token varies from tree to
-    tree (the explicit example: HARTS 3.1e-5, transformers 8.6e-6, at means 2.2e-6 / 2.1e-6).
+    about 1e-4 of each other, so the absolute bound against transformers is loose and the sharp
+    check is against the float64 computation of the same weights, bounded, not ranked against
+    transformers' own error (which implementation rounds worse varies from tree to tree: the
+    explicit example had HARTS 3.1e-5 and transformers 8.6e-6 at one token, means 2.2e-6 /
+    2.1e-6; another tree means 8.9e-7 / 2.9e-7). The bounds, a mean of 1e-5 and a largest
+    error of 1e-4, are float32 round-off of log-probs of this size; those examples sit below them.
     """
     model = harts_model(architecture, torch.float32)
     out, _ = harts_log_probs(model, trajectories)
@@ -198,7 +199,7 @@ def test_float32_log_probs_match_transformers(trajectories, architecture):
         want = reference_log_probs(reference32, trajectories)
         exact = reference_log_probs(exact_model, trajectories)
     assert max_log_prob_diff(out.log_probs, want) <= 5e-4
-    assert mean_log_prob_diff(out.log_probs, exact) <= 2 * mean_log_prob_diff(want, exact) + 1e-7
+    assert mean_log_prob_diff(out.log_probs, exact) <= 1e-5
     assert max_log_prob_diff(out.log_probs, exact) <= 1e-4
 
 
@@ -208,7 +209,7 @@ def test_float32_log_probs_match_transformers(trajectories, architecture):
     ids=["qwen3_next-slow-decay", "qwen3_next-transformers-decay", "kimi_linear"],
 )
 def test_float32_at_chunk_boundaries(architecture, slow_decay):
-    """Within 1e-4 of transformers, and no further than transformers from the exact (float64) function.
+    """Within 1e-4 of transformers, and within float32 round-off (1e-4) of the exact (float64) function.
 
     The hypothesis test above gives Qwen3-Next slow decays: with transformers' decay init,
     random weights can make the log-probs of longer trajectories sensitive enough that the
@@ -230,7 +231,7 @@ def test_float32_at_chunk_boundaries(architecture, slow_decay):
         f"vs exact: HARTS {harts_error:.2e}, transformers {hf_error:.2e}"
     )
     assert diff <= 1e-4
-    assert harts_error <= 2 * hf_error + 1e-5
+    assert harts_error <= 1e-4
 
 
 # --------------------------------------------------------------------------- weights and configs
