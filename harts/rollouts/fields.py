@@ -28,8 +28,9 @@ MASK_FIELDS = ("loss_mask",)
 #: Fields a loss multiplies by: every value must be finite (a NaN would make the whole loss NaN).
 FINITE_FIELDS = ("loss_mask", "advantages", "advantage", "reward", "importance_sampling_ratio")
 #: Log-prob fields (old, reference, and the rollout engine's, under the names harts.rl and the
-#: importers use): NaN or +inf would make the loss NaN; -inf (a token of probability zero) is
-#: kept, the losses read it as such.
+#: importers use). A framework batch headed for a loss must hold no NaN or +inf there (a NaN makes
+#: the loss NaN; -inf, a token of probability zero, is kept): the importers check them
+#: (:func:`check_log_prob_values`). A batch itself keeps whatever the user stored, NaN included.
 LOG_PROB_FIELDS = ("old_log_probs", "old_logprobs", "behavior_log_probs", "ref_log_probs", "ref_logprobs",
                    "reference_log_probs", "rollout_logprobs")
 #: NumPy kinds a per-token field may have (what node tables store and read back).
@@ -247,9 +248,18 @@ def scalar_field_array(entries: list[np.ndarray], name: str) -> np.ndarray:
     return np.stack(entries)
 
 
+def check_log_prob_values(name: str, values: np.ndarray, where: str) -> None:
+    """Log-probs a loss will read: finite or -inf (see :data:`LOG_PROB_FIELDS`)."""
+    if values.dtype.kind != "f":
+        return
+    invalid = np.isnan(values) | (values == np.inf)
+    if invalid.any():
+        bad = int(np.flatnonzero(invalid.reshape(-1))[0])
+        raise RolloutInputError(f"{where}: field '{name}' entry {bad} is {values.reshape(-1)[bad]}; log-probs must be finite or -inf")
+
+
 def check_field_values(name: str, values: np.ndarray, where: str) -> None:
-    """Masks (:data:`MASK_FIELDS`) finite and in [0, 1]; loss factors (:data:`FINITE_FIELDS`) finite;
-    log-probs (:data:`LOG_PROB_FIELDS`) finite or -inf."""
+    """Masks (:data:`MASK_FIELDS`) finite and in [0, 1]; loss factors (:data:`FINITE_FIELDS`) finite."""
     if values.dtype.kind == "b" or values.size == 0:
         return
     if name in FINITE_FIELDS and values.dtype.kind == "f":
@@ -257,11 +267,6 @@ def check_field_values(name: str, values: np.ndarray, where: str) -> None:
         if not finite.all():
             bad = int(np.flatnonzero(~finite)[0])
             raise RolloutInputError(f"{where}: field '{name}' entry {bad} is {values[bad]}; its values must be finite")
-    if name in LOG_PROB_FIELDS and values.dtype.kind == "f":
-        invalid = np.isnan(values) | (values == np.inf)
-        if invalid.any():
-            bad = int(np.flatnonzero(invalid.reshape(-1))[0])
-            raise RolloutInputError(f"{where}: field '{name}' entry {bad} is {values.reshape(-1)[bad]}; log-probs must be finite or -inf")
     if name in MASK_FIELDS:
         outside = (values < 0) | (values > 1)
         if outside.any():

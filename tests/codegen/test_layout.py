@@ -234,7 +234,7 @@ def eager_rounds(layout: MicrobatchLayout, q, k, v, log_decay, beta, scale):
 
 
 def expanded(layout: MicrobatchLayout, tensors):
-    index = torch.as_tensor(layout.trajectory_rows)
+    index = torch.tensor(layout.trajectory_rows)
     return [t[index] for t in tensors], BaselineView(list(np.diff(layout.trajectory_offsets)), layout.chunk_size)
 
 
