@@ -387,7 +387,7 @@ def hidden_by_trajectory_harts(model, plan, batch, kernels):
         states, _ = model.forward_hidden(view.input_ids(batch.tokens), view)
         for j, trajectory in enumerate(layout.trajectories):
             rows = layout.trajectory_rows[layout.trajectory_offsets[j] : layout.trajectory_offsets[j + 1]]
-            hidden[int(trajectory)] = states.index_select(0, torch.as_tensor(rows, device=states.device))
+            hidden[int(trajectory)] = states.index_select(0, torch.tensor(rows, device=states.device))
     return hidden
 
 

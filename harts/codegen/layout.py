@@ -37,7 +37,6 @@ __all__ = [
     "decode_arithmetic_runs",
     "encode_arithmetic_runs",
     "lay_out",
-    "layout_of",
 ]
 
 logger = logging.getLogger(__name__)
@@ -114,12 +113,3 @@ def build_layout(module: Module, microbatch_index: int) -> MicrobatchLayout:
 def lay_out(module: Module) -> LaidOutModule:
     """The ``laid_out`` phase of a verified rounded module: one layout per microbatch, in order."""
     return LaidOutModule(module=module, layouts=tuple(build_layout(module, mb.index) for mb in module.microbatches))
-
-
-def layout_of(source: Module | LaidOutModule, microbatch: int) -> MicrobatchLayout:
-    """One microbatch's layout: the stored one of a laid-out module, else laid out now from a rounded one."""
-    if isinstance(source, LaidOutModule):
-        if not 0 <= microbatch < len(source.layouts):
-            raise IRVerificationError(f"the module has no microbatch {microbatch} ({len(source.layouts)} microbatches)")
-        return source.layouts[microbatch]
-    return build_layout(source, microbatch)
