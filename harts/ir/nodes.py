@@ -27,6 +27,7 @@ import enum
 from collections.abc import Iterable
 
 import attrs
+import numpy as np
 
 
 class Phase(enum.IntEnum):
@@ -113,6 +114,34 @@ class CompactTrie:
             if node.parent >= 0:
                 children[node.parent] += 1
         return [node.parent < 0 or children[node.parent] > 1 for node in self.nodes]
+
+    def node_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every node's ``parent``, ``start``, ``end`` and ``row`` as int64 arrays (indexed by node id)."""
+        count = len(self.nodes)
+        return tuple(np.fromiter((getattr(node, name) for node in self.nodes), dtype=np.int64, count=count)
+                     for name in ("parent", "start", "end", "row"))
+
+    def paths_of(self, trajectories: np.ndarray, parent: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The root-to-leaf paths of ``trajectories`` at once: (position in ``trajectories``, node) pairs,
+        ordered by position and then root first. ``parent``: :meth:`node_arrays`' first array, when at hand.
+
+        Climbs from every leaf in one numpy step per level; a path's nodes ascend in preorder from
+        its root, so sorting the pairs puts each path root first.
+        """
+        parent = self.node_arrays()[0] if parent is None else parent
+        owners, nodes = [], []
+        owner = np.arange(len(trajectories), dtype=np.int64)
+        node = np.asarray(self.leaf, dtype=np.int64)[np.asarray(trajectories, dtype=np.int64)]
+        while owner.size:
+            owners.append(owner)
+            nodes.append(node)
+            keep = parent[node] >= 0
+            owner, node = owner[keep], parent[node[keep]]
+        if not owners:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        owner, node = np.concatenate(owners), np.concatenate(nodes)
+        order = np.lexsort((node, owner))
+        return owner[order], node[order]
 
     def rows(self, trajectory: int) -> list[int]:
         """The map m for one trajectory: the compact row of each of its positions."""
