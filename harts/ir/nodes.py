@@ -24,6 +24,7 @@ executes.
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Iterable
 
 import attrs
@@ -71,6 +72,10 @@ class TrieNode:
     row: int
 
 
+#: CompactTrie.node_arrays of the tries alive, by id: (a weak reference to the trie, its arrays)
+_NODE_ARRAYS: dict[int, tuple[weakref.ref, tuple[np.ndarray, ...]]] = {}
+
+
 @attrs.frozen
 class CompactTrie:
     """The prefix-compressed batch (Eq. 3, 5, 6).
@@ -116,10 +121,22 @@ class CompactTrie:
         return [node.parent < 0 or children[node.parent] > 1 for node in self.nodes]
 
     def node_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Every node's ``parent``, ``start``, ``end`` and ``row`` as int64 arrays (indexed by node id)."""
+        """Every node's ``parent``, ``start``, ``end`` and ``row`` as read-only int64 arrays (indexed by node id).
+
+        Code generation and the verifiers ask for them once per microbatch; they are built once per trie
+        and kept beside it (keyed by identity, dropped with the trie), since the trie itself is frozen.
+        """
+        key = id(self)
+        held = _NODE_ARRAYS.get(key)
+        if held is not None and held[0]() is self:
+            return held[1]
         count = len(self.nodes)
-        return tuple(np.fromiter((getattr(node, name) for node in self.nodes), dtype=np.int64, count=count)
-                     for name in ("parent", "start", "end", "row"))
+        arrays = tuple(np.fromiter((getattr(node, name) for node in self.nodes), dtype=np.int64, count=count)
+                       for name in ("parent", "start", "end", "row"))
+        for array in arrays:
+            array.flags.writeable = False
+        _NODE_ARRAYS[key] = (weakref.ref(self, lambda _, key=key: _NODE_ARRAYS.pop(key, None)), arrays)
+        return arrays
 
     def paths_of(self, trajectories: np.ndarray, parent: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The root-to-leaf paths of ``trajectories`` at once: (position in ``trajectories``, node) pairs,
