@@ -5,15 +5,10 @@ every span ``[start, end)`` below is in the coordinates of the trajectory it nam
 Tokens themselves are not part of the IR: they live in the :class:`~harts.RolloutBatch`
 whose hash the module records, so the IR stays small and prints in full.
 
-Phases, in order, and what each adds (the pass that adds it in brackets):
-
-* ``lowered``      trajectories (index, tree, length)                  [lower]
-* ``compressed``   the compact trie over the whole batch              [prefix-compress]
-* ``partitioned``  microbatches: member trajectories and their work   [partition-microbatches]
-* ``scheduled``    a DP replica and a slot for every microbatch       [schedule-slots]
-* ``segmented``    each microbatch's segment forest on the chunk grid [segment]
-* ``rounded``      each microbatch's execution rounds (Alg. 1)        [min-call-rounds]
-* ``laid_out``     each microbatch's compact physical layout (§4.2)   [codegen]
+Phases, in order: ``lowered``, ``compressed``, ``partitioned``, ``scheduled``, ``segmented``,
+``rounded``, ``laid_out``. Which pass produces each, what it adds and which verifier checks it
+is one table, the pass registry (:data:`harts.passes.registry.BUILTIN_PASSES`; ``harts passes``
+prints it).
 
 The first six phases are phases of one root, :class:`Module`. Code generation changes the
 root: a :class:`~harts.ir.layout.LaidOutModule` holds the rounded module and one

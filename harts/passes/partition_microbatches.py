@@ -15,18 +15,15 @@ import attrs
 from harts.ir.nodes import Microbatch, Module, Phase
 from harts.ir.prefix_index import PrefixIndex
 from harts.passes.base import Pass, PassContext, option
+from harts.passes.registry import builtin_pass
 from harts.planner import PlannerOptions, plan
 
 logger = logging.getLogger(__name__)
 
 
+@builtin_pass("partition-microbatches")
 @attrs.frozen
 class PartitionMicrobatches(Pass):
-    name = "partition-microbatches"
-    summary = "candidate microbatch sets (exact DP / sampled-K / trie greedy / refinement / subtree exchange / slot balancing) ranked by J"
-    requires = Phase.COMPRESSED
-    produces = Phase.PARTITIONED
-
     #: T for this pass; none: the module's (the compile option)
     capacity: int | None = option(None, kind=int, minimum=1)
     #: D for this pass; none: the module's
