@@ -44,7 +44,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.ortools_baseline import ortools_plan  # noqa: E402
-from harts.ir.verify_plan import verify_scheduled  # noqa: E402
+from harts.ir.verify import verify  # noqa: E402
 from harts.options import DEFAULT_OPTIONS  # noqa: E402
 from harts.passes.base import PassContext  # noqa: E402
 from harts.passes.lower import lower  # noqa: E402
@@ -52,7 +52,7 @@ from harts.passes.partition_microbatches import PartitionMicrobatches  # noqa: E
 from harts.passes.prefix_compress import PrefixCompress  # noqa: E402
 from harts.passes.schedule_slots import ScheduleSlots  # noqa: E402
 from harts.ir.prefix_index import PrefixIndex  # noqa: E402
-from harts.planner import PlannerOptions, objective, plan, slot_imbalances, step_imbalance  # noqa: E402
+from harts.planner import PlannerOptions, assign_slots, choose_microbatches, objective, slot_imbalances, step_imbalance  # noqa: E402
 from harts.rollouts.workloads import SWE_LIKE_PROFILES, grpo_step, no_sharing_step, swe_like_step, wide_tree_step  # noqa: E402
 
 SECTION = "## Microbatch planning (Tables 2-3)"
@@ -90,21 +90,28 @@ def plan_harts(module, repeats: int):
 
 def _planner_details(module, dp_size: int) -> dict:
     """The winning candidate's source and the planner's time per stage (one more, untimed run)."""
-    result = plan(PrefixIndex.from_module(module), PlannerOptions(capacity=module.capacity, dp_size=dp_size))
+    result = choose_microbatches(PrefixIndex.from_module(module), PlannerOptions(capacity=module.capacity, dp_size=dp_size))
     return {"source": result.source, "stage_seconds": dict(result.seconds)}
+
+
+def _slot_rule_imbalances(works, dp_size: int) -> dict:
+    """Eq. 23 of microbatches of these works under the slot rule (the planner's microbatches are ordered by
+    their smallest rank, the rule's tie key)."""
+    replicas, slots = assign_slots(works, range(len(works)), dp_size)
+    return {"slot_imbalance": slot_imbalances(works, replicas, slots, dp_size), "step_imbalance": step_imbalance(works, replicas, slots, dp_size)}
 
 
 def plan_paper_only(module):
     """The paper's candidate set alone (no re-cut merges, no piece greedy), for comparison."""
     started = time.perf_counter()
-    result = plan(PrefixIndex.from_module(module), PlannerOptions(capacity=module.capacity, dp_size=module.dp_size, extended=False))
+    result = choose_microbatches(PrefixIndex.from_module(module), PlannerOptions(capacity=module.capacity, dp_size=module.dp_size, extended=False))
     return result, time.perf_counter() - started
 
 
 def plan_paper_stages(module):
     """The paper's stages alone: its candidate set, no slot balancing or subtree exchange."""
     started = time.perf_counter()
-    result = plan(PrefixIndex.from_module(module),
+    result = choose_microbatches(PrefixIndex.from_module(module),
                   PlannerOptions(capacity=module.capacity, dp_size=module.dp_size, extended=False, balance=False))
     return result, time.perf_counter() - started
 
@@ -131,7 +138,7 @@ def run(args) -> dict:
         for dp_size in args.dp:
             module = attrs.evolve(compressed, dp_size=dp_size)
             scheduled, harts_seconds, harts_cpu = plan_harts(module, args.repeats)
-            verify_scheduled(scheduled)
+            verify(scheduled)
             mbs = scheduled.microbatches
             works = [mb.work for mb in mbs]
             replicas = [mb.replica for mb in mbs]
@@ -156,8 +163,7 @@ def run(args) -> dict:
                     "objective": list(paper_only.objective),
                     "seconds": paper_seconds,
                     "source": paper_only.source,
-                    "slot_imbalance": slot_imbalances(paper_only.works, paper_only.replicas, paper_only.slots, dp_size),
-                    "step_imbalance": step_imbalance(paper_only.works, paper_only.replicas, paper_only.slots, dp_size),
+                    **_slot_rule_imbalances(paper_only.works, dp_size),
                 },
                 "ortools": {
                     "compact": int(sum(baseline.works)),
@@ -189,9 +195,9 @@ def run_shapes(args, shapes: dict = SHAPES) -> dict:
         base = lower(batch, capacity=args.capacity, dp_size=args.shape_dp)
         compressed = PrefixCompress().run(base, PassContext(batch=batch))
         scheduled, wall, cpu = plan_harts(compressed, args.repeats)
-        verify_scheduled(scheduled)
+        verify(scheduled)
         index = PrefixIndex.from_module(compressed)
-        full = plan(index, PlannerOptions(capacity=args.capacity, dp_size=args.shape_dp))
+        full = choose_microbatches(index, PlannerOptions(capacity=args.capacity, dp_size=args.shape_dp))
         paper, paper_seconds = plan_paper_stages(compressed)
         started = time.perf_counter()
         harts.compile(batch, capacity=args.capacity, dp_size=args.shape_dp)

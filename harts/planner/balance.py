@@ -61,7 +61,7 @@ import numpy as np
 from harts.planner.exchange import Layout, around, nearest_runs, sharing_receivers, subtree_runs
 from harts.planner.budget import WorkBudget, unlimited
 from harts.planner.ranks import RankSpace
-from harts.planner.schedule import assign_slots, objective_of, slot_critical_after
+from harts.planner.schedule import slot_critical_after, slot_rule_objective
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +78,7 @@ def _first_ranks(labels: np.ndarray, count: int) -> np.ndarray:
 
 def _objective(works: np.ndarray, labels: np.ndarray, dp_size: int) -> tuple[int, int, int]:
     # the smallest rank orders groups exactly like canonical ids, the tie key search.py uses
-    replica, slot = assign_slots(works, _first_ranks(labels, len(works)), dp_size)
-    return objective_of(works, replica, slot)
+    return slot_rule_objective(works, _first_ranks(labels, len(works)), dp_size)
 
 
 def _slot_extremes(works: np.ndarray, dp_size: int) -> tuple[int, int]:

@@ -41,6 +41,12 @@ def assign_slots(works: Sequence[int], keys: Sequence[int], dp_size: int) -> tup
     return replica, slot
 
 
+def slot_rule_objective(works: Sequence[int], keys: Sequence[int], dp_size: int) -> tuple[int, int, int]:
+    """J (Eq. 4) of microbatches of these works under the slot rule (:func:`assign_slots`): what the
+    planner ranks candidates by, without keeping an assignment (``schedule-slots`` makes the one kept)."""
+    return objective_of(works, *assign_slots(works, keys, dp_size))
+
+
 def objective_of(works: Sequence[int], replica: Sequence[int], slot: Sequence[int]) -> tuple[int, int, int]:
     """J (Eq. 4): total work, sum over slots of the heaviest microbatch, heaviest replica total."""
     works = np.asarray(works, dtype=np.int64)

@@ -60,7 +60,7 @@ from harts.ir.prefix_index import PrefixIndex
 from harts.planner import balance, contiguous, exchange, greedy, repair
 from harts.planner.budget import WorkBudget
 from harts.planner.ranks import RankSpace
-from harts.planner.schedule import assign_slots, objective_of
+from harts.planner.schedule import slot_rule_objective
 
 logger = logging.getLogger(__name__)
 
@@ -117,13 +117,12 @@ class PlannerOptions:
 
 @attrs.frozen(eq=False)
 class Candidate:
-    """One fully instantiated plan: membership, works, replica/slot assignment and J."""
+    """One candidate plan: membership, works and J under the slot rule (the assignment itself is
+    ``schedule-slots``' to make, the one place replicas and slots are assigned)."""
 
     source: str
     labels: np.ndarray
     works: np.ndarray
-    replica: np.ndarray
-    slot: np.ndarray
     objective: tuple[int, int, int]
 
     @property
@@ -136,13 +135,12 @@ class PlanResult:
     """The chosen plan in batch indices, with every candidate's summary for reporting.
 
     ``microbatches[i]`` are the ascending batch indices of microbatch ``i``; microbatches
-    are ordered by their lexicographically smallest member.
+    are ordered by their lexicographically smallest member. ``objective`` is J under the slot
+    rule that ``schedule-slots`` applies to them.
     """
 
     microbatches: tuple[tuple[int, ...], ...]
     works: tuple[int, ...]
-    replicas: tuple[int, ...]
-    slots: tuple[int, ...]
     objective: tuple[int, int, int]
     source: str
     lower_bound: int
@@ -160,8 +158,7 @@ def _instantiate(space: RankSpace, labels: np.ndarray, dp_size: int, source: str
     count = int(labels.max()) + 1
     works = space.group_works(labels, count)
     # canonical ids already follow each microbatch's smallest rank: a content-only tie key
-    replica, slot = assign_slots(works, np.arange(count), dp_size)
-    return Candidate(source, labels, works, replica, slot, objective_of(works, replica, slot))
+    return Candidate(source, labels, works, slot_rule_objective(works, np.arange(count), dp_size))
 
 
 def select_best(candidates: list[Candidate]) -> Candidate:
@@ -170,7 +167,7 @@ def select_best(candidates: list[Candidate]) -> Candidate:
 
 
 def instantiate(index: PrefixIndex, labels, dp_size: int, source: str = "given") -> Candidate:
-    """A candidate from microbatch labels by rank: canonical ids, works, assignment and J."""
+    """A candidate from microbatch labels by rank: canonical ids, works and J."""
     return _instantiate(RankSpace(index), np.asarray(labels, dtype=np.int64), dp_size, source)
 
 
@@ -191,7 +188,7 @@ def check_plannable(index: PrefixIndex, capacity: int, dp_size: int) -> None:
         )
 
 
-def plan(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
+def choose_microbatches(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
     """Generate, refine, instantiate and select candidates; see the module docstring."""
     capacity, dp_size = options.capacity, options.dp_size
     if capacity < 1 or dp_size < 1:
@@ -334,8 +331,6 @@ def plan(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
     return PlanResult(
         microbatches=tuple(tuple(sorted(group)) for group in members),
         works=tuple(int(w) for w in best.works),
-        replicas=tuple(int(r) for r in best.replica),
-        slots=tuple(int(s) for s in best.slot),
         objective=best.objective,
         source=best.source,
         lower_bound=lower_bound,

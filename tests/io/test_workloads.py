@@ -71,13 +71,13 @@ def test_calibrated_profile_plans_like_the_papers_recorded_steps():
     from harts.passes.base import PassContext
     from harts.passes.lower import lower
     from harts.passes.prefix_compress import PrefixCompress
-    from harts.planner import PlannerOptions, plan
+    from harts.planner import PlannerOptions, choose_microbatches
 
     batch = swe_like_step(seed=1, profile="calibrated")
     assert 1_300 <= len(batch) <= 2_400
     assert 35e6 <= batch.semantic_tokens <= 59e6
     module = PrefixCompress().run(lower(batch, capacity=65_536, dp_size=4), PassContext(batch=batch))
-    result = plan(PrefixIndex.from_module(module), PlannerOptions(capacity=65_536, dp_size=4))
+    result = choose_microbatches(PrefixIndex.from_module(module), PlannerOptions(capacity=65_536, dp_size=4))
     assert 5.0 <= batch.semantic_tokens / sum(result.works) <= 7.6
     assert sum(result.works) / len(result.works) >= 0.95 * 65_536
     # the default profile's large trees are the contrast: a plan there repeats long stems
