@@ -16,7 +16,7 @@ import attrs
 
 from harts.codegen.layout import lay_out
 from harts.ir.layout import LaidOutModule
-from harts.ir.nodes import Module, Phase
+from harts.ir.nodes import Module
 from harts.ir.text import print_ir
 from harts.passes.base import Pass, PassContext
 from harts.passes.registry import builtin_pass
