@@ -27,7 +27,8 @@ Refinement (``refine=True``) adds refined copies without removing anything: for 
 inputs only the greedy candidates are refined; for large inputs also up to three base
 anchors (the base plan at the greedy K, the lowest-work base plan, the base plan whose K
 is closest to the greedy K). Contiguous candidates get boundary refinement first; all
-get sparse repair. Every candidate is then assigned to replicas and slots.
+get sparse repair. Every candidate is then ranked by J under the slot rule (the assignment itself is
+for ``schedule-slots`` to make, the one place replicas and slots are set).
 
 Two further steps go beyond the paper and also only add candidates. With ``exchange=True``
 (and ``extended``) the ``exchange_candidates`` best candidates by J get subtree exchange
