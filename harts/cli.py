@@ -223,11 +223,11 @@ def passes_command() -> None:
     from harts.passes import PASS_REGISTRY
 
     table = Table(title="passes")
-    for column in ("name", "requires", "produces", "summary"):
+    for column in ("name", "requires", "produces", "verifier", "purpose"):
         table.add_column(column)
-    for name, pass_class in sorted(PASS_REGISTRY.items(), key=lambda item: item[1].produces):
-        requires = "batch" if pass_class.requires is None else str(pass_class.requires)
-        table.add_row(name, requires, str(pass_class.produces), pass_class.summary)
+    for row in sorted(PASS_REGISTRY.rows(), key=lambda row: row.produces):  # the registry's rows, as they are
+        requires = "batch" if row.requires is None else str(row.requires)
+        table.add_row(row.name, requires, str(row.produces), (row.verifier or "-").rpartition(":")[2], row.purpose)
     Console().print(table)
     Console().print("default pipeline: " + ",".join(harts.DEFAULT_PIPELINE))
 

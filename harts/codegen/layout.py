@@ -74,8 +74,9 @@ def build_layout(module: Module, microbatch_index: int) -> MicrobatchLayout:
                 node_row[node] = segment_row + trie.nodes[node].start - segment.start
 
     # The map m: every member's trie path, node by node, in member order.
-    path_nodes = np.array([node.id for trajectory in members for node in trie.path(int(trajectory))], dtype=np.int64)
-    node_length = np.array([node.end - node.start for node in trie.nodes], dtype=np.int64)
+    parent, node_start, node_end, _ = trie.node_arrays()
+    _, path_nodes = trie.paths_of(members, parent)
+    node_length = node_end - node_start
     trajectory_rows = concatenated_ranges(node_row[path_nodes], node_length[path_nodes])
     trajectory_offsets = offsets_of([module.trajectories[int(i)].length for i in members])
     rows = int(seq_row_start[-1])

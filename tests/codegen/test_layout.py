@@ -24,7 +24,7 @@ from harts.ir.nodes import Phase, StateRef
 from harts.ir.verify import verify
 from harts.kernels import naive
 from harts.passes import PassContext
-from harts.passes.codegen import Codegen
+from harts.passes.lay_out import LayOut
 from harts.passes.manager import run_pipeline
 from harts.runtime.tree_view import TreeView
 from harts.runtime.view import BaselineView
@@ -164,7 +164,7 @@ def test_layout_rejects_a_state_that_is_never_exported():
     bad = attrs.evolve(module, microbatches=(attrs.evolve(microbatch, rounds=tuple(rounds)),))
     # codegen's input is verified by the pass manager: the layout builder does not check rounds again
     with pytest.raises(IRVerificationError, match="microbatch 0, round"):
-        run_pipeline(bad, [Codegen()], PassContext())
+        run_pipeline(bad, [LayOut()], PassContext())
 
 
 def test_layout_rejects_unrounded_modules_and_damaged_tensors():
