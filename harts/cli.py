@@ -114,7 +114,7 @@ def compile_command(
     fast_kernels: bool = typer.Option(False, "--fast-kernels", help="Plan for the fast linear-attention kernels: refuse a chunk size they cannot take."),
     print_ir_after_all: bool = typer.Option(False, "--print-ir-after-all", help="Print the IR after every pass (stderr)."),
     print_ir_after: Optional[str] = typer.Option(None, "--print-ir-after", help="Comma-separated passes to print the IR after."),
-    dump_ir: Optional[Path] = typer.Option(None, "--dump-ir", help="Write every stage, lowering and codegen included, to DIR/NNN_<pass>.txt."),
+    dump_ir: Optional[Path] = typer.Option(None, "--dump-ir", help="Write every stage, lowering and lay-out included, to DIR/NNN_<pass>.txt."),
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip IR verification after each pass."),
     time_passes: bool = typer.Option(False, "--time-passes", help="Print the time of every pass."),
 ) -> None:

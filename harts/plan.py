@@ -5,7 +5,7 @@ Artifact layout (a directory)::
     PLAN/manifest.json         schema version, harts version, input hash, options, pipeline,
                                stats, sha256 of the two files below, and its own digest
     PLAN/plan.ir               the IR in canonical text (the rounded module of a laid-out plan)
-    PLAN/tensors.safetensors   the ``codegen`` stage: each microbatch's layout arrays, as runs
+    PLAN/tensors.safetensors   the ``lay-out`` stage: each microbatch's layout arrays, as runs
 
 or a single ``*.safetensors`` file holding the tensors, with manifest and IR in its
 metadata (one key, ``harts``). The tensors are the source of truth for the layouts: loading
@@ -128,7 +128,7 @@ def _sequence_json(sequence) -> dict[str, Any]:
 
 @attrs.frozen(eq=False)
 class Plan:
-    """A compiled plan: the final IR, its layouts (the ``codegen`` stage), the pipeline that
+    """A compiled plan: the final IR, its layouts (the ``lay-out`` stage), the pipeline that
     produced it and its statistics.
 
     ``layouts`` is None for a plan whose pipeline stopped before code generation; only a
@@ -212,7 +212,7 @@ class Plan:
     def ir_text(self) -> str:
         return print_ir(self.module)
 
-    # ------------------------------------------------------------- codegen
+    # ------------------------------------------------------------- lay-out
     def layout(self, microbatch: int) -> MicrobatchLayout:
         """The compact physical layout of one microbatch (a laid-out plan's stored one)."""
         if self.layouts is None:

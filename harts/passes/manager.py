@@ -201,10 +201,10 @@ def _check_requires(step: Pass, module: Stage | None, done: Sequence[str]) -> No
     elif module is None:
         raise PipelineError(f"pass {step.name!r} needs phase {step.requires}, but the pipeline has no module yet; start it with 'lower'")
     elif module.phase == Phase.LAID_OUT:
-        # codegen's laid-out plan is the end of every pipeline: no pass reads one
+        # lay-out's plan is the end of every pipeline: no pass reads one
         raise PipelineError(
             f"pass {step.name!r} comes after the pipeline already produced the laid-out plan ({_history(done)}); "
-            "'codegen' is the last pass of a pipeline: name it once, at the end"
+            "'lay-out' is the last pass of a pipeline: name it once, at the end"
         )
     elif module.phase < step.requires:
         raise PipelineError(
