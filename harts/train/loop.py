@@ -194,8 +194,11 @@ def _full_state_dict(model) -> dict[str, torch.Tensor]:
     """Unsharded copies of every parameter and buffer (a collective under FSDP2: call on every rank)."""
     from harts.runtime.api import unwrap_model
 
+    inner = unwrap_model(model)
+    if hasattr(inner, "full_state_dict"):  # a tensor-parallel model (harts.parallel) gathers its shards
+        return {name: value.to("cpu").contiguous() for name, value in inner.full_state_dict().items()}
     state = {}
-    for name, value in unwrap_model(model).state_dict().items():
+    for name, value in inner.state_dict().items():
         if hasattr(value, "full_tensor"):
             value = value.full_tensor()
         state[name] = value.detach().to("cpu").clone().contiguous()

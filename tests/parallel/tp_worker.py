@@ -1,0 +1,140 @@
+"""One rank of the megatron-core tests (run by tests/parallel/test_tensor_parallel.py under torchrun, gloo, CPU).
+
+    python -m torch.distributed.run --nproc-per-node N tests/parallel/tp_worker.py TP OUT [CHECKPOINT]
+
+For each dense model variant (KDA + MLA, GDN + GQA), float64, on the fork batch (forks at
+chunk B-1 / B / B+1): the tensor-parallel model's per-token log-probs, entropies and gathered
+gradients under the plan and under the trajectory-wise baseline, beside the single-process
+native model's; then one ``Trainer.step`` per mode under DDP over the data-parallel group,
+beside a single-process step. Rank 0 writes the largest differences to OUT/report.json; the
+test asserts on them. With CHECKPOINT, the KDA + MLA model after its step is saved there.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+warnings.filterwarnings("ignore")
+
+import harts  # noqa: E402
+import harts.parallel  # noqa: E402
+from harts.runtime import HybridConfig, HybridModel, log_probs, log_probs_baseline  # noqa: E402
+from harts.train import TrainConfig, Trainer  # noqa: E402
+from harts.train.loop import save_weights  # noqa: E402
+from tests.helpers import forked_batch  # noqa: E402
+
+VARIANTS = {
+    "kda-mla": dict(linear="kda", attention="mla"),
+    "gdn-gqa": dict(linear="gdn", attention="gqa", num_attention_heads=4, num_key_value_heads=2,
+                    attention_output_gate=True, qk_norm=True, norm_zero_centered=True),
+}
+
+
+def dense_model(variant: str) -> HybridModel:
+    torch.manual_seed(0)
+    shape = dict(
+        ffn="dense", dtype="float64", vocab_size=128, layer_types=["linear", "full", "linear"], chunk_size=4,
+        hidden_size=32, intermediate_size=48, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, num_attention_heads=2, head_dim=8, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=8,
+    )
+    config = HybridConfig.preset("tiny", **(shape | VARIANTS[variant]))
+    return HybridModel(config)
+
+
+def largest(a, b) -> float:
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+def surrogate_loss(out) -> torch.Tensor:
+    """A fixed weighting of every position's log-prob and entropy (the same on every rank)."""
+    weights = torch.linspace(-1.0, 1.0, out.packed.numel(), dtype=torch.float64)
+    return (out.packed * weights).sum() + 0.3 * (out.packed_entropy * weights.flip(0)).sum()
+
+
+def gradient_gap(parallel, native) -> float:
+    parallel.finalize_gradients()
+    gathered = parallel.full_gradients()
+    return max(largest(gathered[name], p.grad) for name, p in native.named_parameters())
+
+
+def compare_log_probs(parallel, native, batch, plan, mode: str) -> dict:
+    def run(model):
+        model.zero_grad(set_to_none=True)
+        if mode == "harts":
+            out = log_probs(model, plan, batch, with_entropy=True, row_chunk=7)
+        else:
+            out = log_probs_baseline(model, batch, plan, with_entropy=True, row_chunk=7)
+        surrogate_loss(out).backward()
+        return out
+
+    mine, want = run(parallel), run(native)
+    baseline = log_probs_baseline(native, batch, plan, with_entropy=True)
+    return {
+        "log_probs": largest(mine.packed, want.packed),
+        "entropy": largest(mine.packed_entropy, want.packed_entropy),
+        "log_probs_vs_baseline": largest(mine.packed.detach(), baseline.packed.detach()),
+        "gradients": gradient_gap(parallel, native),
+        "rows": mine.rows,
+    }
+
+
+def compare_training(variant, layout, batch, mode: str, checkpoint: str | None, alone) -> dict:
+    config = TrainConfig(mode=mode, epochs=2, max_grad_norm=0.5, with_entropy=True, entropy_coef=0.01, temperature=0.9)
+    lr = 0.05
+    native = dense_model(variant)
+    single = harts.compile(batch, capacity=60, dp_size=1, chunk_size=4)
+    want = Trainer(native, torch.optim.SGD(native.parameters(), lr=lr), config, process_group=alone).step(batch, single)
+
+    parallel = harts.parallel.TensorParallelHybridModel.from_model(dense_model(variant))
+    wrapped = parallel
+    if layout.data_parallel_size > 1:
+        wrapped = DistributedDataParallel(parallel, process_group=layout.data_parallel_group)
+    plan = harts.compile(batch, capacity=60, dp_size=layout.data_parallel_size, chunk_size=4)
+    trainer = Trainer(wrapped, torch.optim.SGD(parallel.parameters(), lr=lr), config,
+                      process_group=layout.data_parallel_group)
+    got = trainer.step(batch, plan)
+    weights = parallel.full_state_dict()
+    report = {}
+    if checkpoint is not None and mode == "harts":
+        save_weights(wrapped, checkpoint, rank=dist.get_rank())
+        report["checkpoint_log_probs"] = log_probs(parallel, single, batch).packed.tolist()
+    return report | {
+        "loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(got.metrics, want.metrics)),
+        "grad_norm": max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(got.metrics, want.metrics)),
+        "entropy": max(abs(a["entropy"] - b["entropy"]) for a, b in zip(got.metrics, want.metrics)),
+        "weights": max(largest(weights[name], p.detach()) for name, p in native.named_parameters()),
+        "moved": max(largest(p.detach(), q.detach()) for p, q in zip(native.parameters(), dense_model(variant).parameters())),
+    }
+
+
+def main(tensor_parallel: str, out: str, checkpoint: str | None = None) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    layout = harts.parallel.initialize(tensor_parallel=int(tensor_parallel))
+    batch = forked_batch(chunk=4)
+    # a group of this rank alone, for the single-process reference runs (every rank creates every group)
+    alone = [dist.new_group([rank]) for rank in range(dist.get_world_size())][dist.get_rank()]
+    report: dict = {"tp": layout.tensor_parallel_size, "dp": layout.data_parallel_size}
+    for variant in VARIANTS:
+        native = dense_model(variant)
+        parallel = harts.parallel.TensorParallelHybridModel.from_model(dense_model(variant))
+        plan = harts.compile(batch, capacity=60, dp_size=1, chunk_size=4)
+        for mode in ("harts", "baseline"):
+            report[f"{variant}/{mode}/log_probs"] = compare_log_probs(parallel, native, batch, plan, mode)
+            report[f"{variant}/{mode}/step"] = compare_training(variant, layout, batch, mode,
+                                                               checkpoint if variant == "kda-mla" else None, alone)
+    if dist.get_rank() == 0:
+        Path(out, "report.json").write_text(json.dumps(report, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
