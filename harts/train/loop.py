@@ -63,6 +63,8 @@ class RunOptions:
     chunk_size: int | None = attrs.field(default=None, validator=_positive)
     dp: int | None = attrs.field(default=None, validator=_positive)
     parallel: str = "ddp"
+    tp: int = attrs.field(default=1, validator=_positive)  # tensor parallel on megatron-core (harts.parallel)
+    ep: int = attrs.field(default=1, validator=_positive)
     metrics: str | None = None
     plot: str | None = None
     save: str | None = None
@@ -273,6 +275,33 @@ class TrainingRun:
     rank: int
 
 
+def _parallel_model(model, reference, options: RunOptions, group, device):
+    """(model to train, reference model, data-parallel degree, data-parallel group) for the run's layout.
+
+    Without ``--tp`` / ``--ep``: the model whole on every rank, wrapped by ``--parallel``, every rank
+    a DP replica. With them: megatron-core's layout (harts.parallel), each rank this model's
+    tensor-parallel shard, the DP replicas megatron's data-parallel ranks, DDP over their group.
+    """
+    if options.tp == 1 and options.ep == 1:
+        return (wrap_model(model, options.parallel, device) if group.distributed else model), reference, group.world_size, None
+    if options.ep != 1:
+        raise TrainingError("option --ep: expert parallelism needs MoE layers on megatron-core, which harts.parallel does not run yet")
+    if options.parallel != "ddp":
+        raise TrainingError(f"option --parallel {options.parallel}: with --tp the data-parallel replicas run under DDP")
+    import harts.parallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    layout = harts.parallel.initialize(tensor_parallel=options.tp, expert_parallel=options.ep)
+    parallel = harts.parallel.TensorParallelHybridModel.from_model(model)
+    if reference is not None:
+        reference = harts.parallel.TensorParallelHybridModel.from_model(reference).requires_grad_(False)
+    wrapped = parallel
+    if layout.data_parallel_size > 1:
+        device_ids = [device.index] if device.type == "cuda" else None
+        wrapped = DistributedDataParallel(parallel, device_ids=device_ids, process_group=layout.data_parallel_group)
+    return wrapped, reference, layout.data_parallel_size, layout.data_parallel_group
+
+
 def _describe(model, options: RunOptions) -> str:
     source = options.hf or options.preset
     return f"{source} ({sum(p.numel() for p in model.parameters()):,} parameters, {model.config.dtype})"
@@ -299,12 +328,11 @@ def run_training(options: RunOptions, *, console=None, progress: bool = True) ->
         reference = None
         if options.train.kl_coef:
             reference = copy.deepcopy(model).requires_grad_(False)
-        dp_size = options.dp or group.world_size
-        plan = compile_batch(batch, capacity=options.capacity, dp_size=dp_size, chunk_size=model.config.chunk_size,
-                             progress=progress and group.rank == 0)
-        wrapped = wrap_model(model, options.parallel, device) if group.distributed else model
+        wrapped, reference, dp_size, dp_group = _parallel_model(model, reference, options, group, device)
+        plan = compile_batch(batch, capacity=options.capacity, dp_size=options.dp or dp_size,
+                             chunk_size=model.config.chunk_size, progress=progress and group.rank == 0)
         optimizer = make_optimizer(wrapped, options)
-        trainer = Trainer(wrapped, optimizer, options.train, reference_model=reference)
+        trainer = Trainer(wrapped, optimizer, options.train, reference_model=reference, process_group=dp_group)
         if options.metrics is not None and group.rank == 0:
             metrics_file = MetricsFile(options.metrics)
         records: list[dict[str, Any]] = []

@@ -86,6 +86,48 @@ def compare_log_probs(parallel, native, batch, plan, mode: str) -> dict:
     }
 
 
+def compare_vocab_parallel(layout, cases: int = 24) -> dict:
+    """Vocab-parallel compact log-probs / entropies and their gradients against the full-vocabulary ones."""
+    from harts.numerics import compact_log_probs
+
+    generator = torch.Generator().manual_seed(7)
+    worst = {"log_probs": 0.0, "entropy": 0.0, "hidden_grad": 0.0, "weight_grad": 0.0}
+    size, rank = layout.tensor_parallel_size, layout.tensor_parallel_rank
+    for case in range(cases):
+        rows = int(torch.randint(1, 30, (), generator=generator))
+        vocab = size * int(torch.randint(1, 40, (), generator=generator))
+        positions = int(torch.randint(0, 50, (), generator=generator))
+        temperature = [1.0, 0.7, 1.3][case % 3]
+        row_chunk = [None, 1, 5][case % 3]
+        hidden = torch.randn(rows, 16, dtype=torch.float64, generator=generator) * 2
+        weight = torch.randn(vocab, 16, dtype=torch.float64, generator=generator)
+        row_of = torch.randint(0, rows, (positions,), generator=generator)
+        targets = torch.randint(0, vocab, (positions,), generator=generator)
+        g_lp, g_h = (torch.randn(positions, dtype=torch.float64, generator=generator) for _ in range(2))
+
+        def run(h, w, parallel: bool):
+            if parallel:
+                shard = vocab // size
+                return harts.parallel.vocab_parallel_compact_log_probs(
+                    h, w[rank * shard:(rank + 1) * shard] / temperature, None, row_of, targets, vocab_start=rank * shard,
+                    vocab_size=vocab, group=layout.tensor_parallel_group, with_entropy=True, row_chunk=row_chunk)
+            return compact_log_probs(h, w / temperature, None, row_of, targets, with_entropy=True, row_chunk=row_chunk)
+
+        results = []
+        for parallel in (True, False):
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            lp, entropy = run(h, w, parallel)
+            ((lp * g_lp).sum() + (entropy * g_h).sum()).backward()
+            grad_h = h.grad.clone()
+            if parallel:  # each rank's hidden gradient is its shard's part (the row gather sums them)
+                dist.all_reduce(grad_h, group=layout.tensor_parallel_group)
+                dist.all_reduce(w.grad, group=layout.tensor_parallel_group)  # disjoint shard rows: the sum is the whole
+            results.append((lp.detach(), entropy.detach(), grad_h, w.grad))
+        for key, a, b in zip(worst, results[0], results[1]):
+            worst[key] = max(worst[key], largest(a, b))
+    return worst
+
+
 def compare_training(variant, layout, batch, mode: str, checkpoint: str | None, alone) -> dict:
     config = TrainConfig(mode=mode, epochs=2, max_grad_norm=0.5, with_entropy=True, entropy_coef=0.01, temperature=0.9)
     lr = 0.05
@@ -123,6 +165,7 @@ def main(tensor_parallel: str, out: str, checkpoint: str | None = None) -> None:
     # a group of this rank alone, for the single-process reference runs (every rank creates every group)
     alone = [dist.new_group([rank]) for rank in range(dist.get_world_size())][dist.get_rank()]
     report: dict = {"tp": layout.tensor_parallel_size, "dp": layout.data_parallel_size}
+    report["vocab_parallel"] = compare_vocab_parallel(layout)
     for variant in VARIANTS:
         native = dense_model(variant)
         parallel = harts.parallel.TensorParallelHybridModel.from_model(dense_model(variant))
