@@ -142,6 +142,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="skip the replay / no-replay divergence by state-handoff depth (Eq. 25-26)")
     parser.add_argument("--fidelity-rows", type=int, default=2048, help="logit rows per block in the cosine check")
     parser.add_argument("--out", default="bench_runtime.json")
+    parser.add_argument("--tp", type=int, default=None,
+                        help="tensor-parallel size: time the megatron-core path (harts_bench.megatron; dense FFNs) under torchrun")
+    parser.add_argument("--ep", type=int, default=None, help="expert-parallel size of the megatron-core path (needs MoE on it: not yet)")
     parser.add_argument("--kernel-bench", action="store_true",
                         help="only time the linear-attention kernels (fast vs reference) at --kernel-tokens rows")
     parser.add_argument("--kernel-tokens", type=int, default=32768)
@@ -675,6 +678,10 @@ def main(argv=None) -> dict:
         return results
     if args.attention_bench:
         return attention_bench_main(args, device)
+    if args.tp is not None or args.ep is not None:
+        from harts_bench.megatron import megatron_bench
+
+        return megatron_bench(args, device)
     stock = StockFla(args.kernels)
     fla_ready = device.type == "cuda" and fla_chunk.fla_available()
     say(f"torch {torch.__version__}, device {device}"

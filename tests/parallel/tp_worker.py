@@ -40,7 +40,7 @@ VARIANTS = {
 def dense_model(variant: str) -> HybridModel:
     torch.manual_seed(0)
     shape = dict(
-        ffn="dense", dtype="float64", vocab_size=128, layer_types=["linear", "full", "linear"], chunk_size=4,
+        ffn="dense", dtype="float64", vocab_size=128, layer_types=["linear", "full", "linear"],
         hidden_size=32, intermediate_size=48, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
         linear_value_head_dim=8, num_attention_heads=2, head_dim=8, kv_lora_rank=16, qk_nope_head_dim=8,
         qk_rope_head_dim=4, v_head_dim=8,
