@@ -77,7 +77,8 @@ class RowProjection(RowParallelLinear):
         )
         size = self.tp_group.size()
         rows = x.shape[0]
-        partial = F.pad(partial, (0, 0, 0, padded_rows(rows, size) - rows))
+        if padded_rows(rows, size) != rows:
+            partial = F.pad(partial, (0, 0, 0, padded_rows(rows, size) - rows))
         output = reduce_scatter_rows(partial, self.tp_group)
         return output if self.bias is None else output + self.bias
 

@@ -41,6 +41,14 @@ def _shard_logits(hidden_block, weight, bias, dtype):
     return logits if bias is None else logits + bias
 
 
+def _row_blocks(rows: torch.Tensor, num_rows: int, row_chunk: int):
+    """Positions sorted by row and where each block of rows starts among them (one host sync)."""
+    order = torch.argsort(rows, stable=True)
+    sorted_rows = rows.index_select(0, order)
+    edges = torch.arange(0, num_rows + row_chunk, row_chunk, device=rows.device)
+    return order, sorted_rows, torch.searchsorted(sorted_rows, edges).tolist()
+
+
 class VocabParallelCompactLogProbs(torch.autograd.Function):
     """(hidden [C, D], shard weight [V/TP, D], shard bias | None, rows [P], targets [P]) -> (log-probs [P], entropy [P] | None)."""
 
@@ -50,43 +58,52 @@ class VocabParallelCompactLogProbs(torch.autograd.Function):
         num_rows, shard = hidden.shape[0], weight.shape[0]
         head_weight = weight.to(dtype)
         head_bias = None if bias is None else bias.to(dtype)
-        stats = hidden.new_zeros((2, num_rows), dtype=dtype)  # this shard's [lse_r; E_r[z]] per row
+        order, sorted_rows, bounds = _row_blocks(rows, num_rows, row_chunk)
+        # Positions whose target another shard owns read a clamped column and are masked to zero.
         local_target = targets - vocab_start
         owned = (local_target >= 0) & (local_target < shard)
+        column = local_target.clamp(0, shard - 1)
+        stats = hidden.new_zeros((2, num_rows), dtype=dtype)  # this shard's [lse_r; E_r[z]] per row
         target_logits = hidden.new_zeros(rows.shape[0], dtype=dtype)
-        for start, end in _blocks(num_rows, row_chunk):
+        for block, (start, end) in enumerate(_blocks(num_rows, row_chunk)):
             logits = _shard_logits(hidden[start:end], head_weight, head_bias, dtype)
             block_lse = torch.logsumexp(logits, dim=-1)
             stats[0, start:end] = block_lse
             if with_entropy:
                 stats[1, start:end] = (torch.exp(logits - block_lse[:, None]) * logits).sum(-1)
-            here = owned & (rows >= start) & (rows < end)
-            if bool(here.any()):
-                target_logits[here] = logits[rows[here] - start, local_target[here]]
+            first, last = bounds[block], bounds[block + 1]
+            if last > first:
+                positions = order[first:last]
+                picked = logits[sorted_rows[first:last] - start, column.index_select(0, positions)]
+                target_logits[positions] = torch.where(owned.index_select(0, positions), picked, 0.0)
             del logits
         size = dist.get_world_size(group)
-        gathered = stats.new_empty((size * 2, num_rows))
-        dist.all_gather_into_tensor(gathered, stats, group=group)
-        gathered = gathered.view(size, 2, num_rows)
-        dist.all_reduce(target_logits, group=group)
+        if size > 1:
+            gathered = stats.new_empty((size * 2, num_rows))
+            dist.all_gather_into_tensor(gathered, stats, group=group)
+            gathered = gathered.view(size, 2, num_rows)
+            dist.all_reduce(target_logits, group=group)
+        else:
+            gathered = stats[None]
         lse = torch.logsumexp(gathered[:, 0], dim=0)
         expected = (torch.exp(gathered[:, 0] - lse) * gathered[:, 1]).sum(0) if with_entropy else None
         log_probs = target_logits - lse.index_select(0, rows)
         entropy = (lse - expected).index_select(0, rows) if with_entropy else None
-        ctx.save_for_backward(hidden, weight, bias, rows, local_target, owned, lse, expected)
-        ctx.row_chunk, ctx.with_entropy, ctx.has_bias = row_chunk, with_entropy, bias is not None
+        ctx.save_for_backward(hidden, weight, bias, rows, column, owned, lse, expected, order, sorted_rows)
+        ctx.bounds, ctx.row_chunk, ctx.with_entropy, ctx.has_bias = bounds, row_chunk, with_entropy, bias is not None
         return log_probs, entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_log_probs, grad_entropy):
-        hidden, weight, bias, rows, local_target, owned, lse, expected = ctx.saved_tensors
+        hidden, weight, bias, rows, column, owned, lse, expected, order, sorted_rows = ctx.saved_tensors
         dtype = lse.dtype
         num_rows = hidden.shape[0]
         row_grad = torch.zeros(num_rows, dtype=dtype, device=hidden.device)
         if grad_log_probs is not None:
             grad_log_probs = grad_log_probs.to(dtype)
             row_grad.index_add_(0, rows, grad_log_probs)
+            owned_grad = torch.where(owned, grad_log_probs, 0.0)
         entropy_grad = None
         if ctx.with_entropy and grad_entropy is not None:
             entropy_grad = torch.zeros(num_rows, dtype=dtype, device=hidden.device)
@@ -97,7 +114,7 @@ class VocabParallelCompactLogProbs(torch.autograd.Function):
         grad_bias = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_bias and ctx.has_bias else None
         head_weight = weight.to(dtype)
         head_bias = None if bias is None else bias.to(dtype)
-        for start, end in _blocks(num_rows, ctx.row_chunk):
+        for block, (start, end) in enumerate(_blocks(num_rows, ctx.row_chunk)):
             block_hidden = hidden[start:end].to(dtype)
             logits = _shard_logits(block_hidden, head_weight, head_bias, dtype)
             probs = torch.exp(logits - lse[start:end, None])
@@ -105,9 +122,11 @@ class VocabParallelCompactLogProbs(torch.autograd.Function):
             if entropy_grad is not None:
                 grad_logits -= entropy_grad[start:end, None] * probs * (logits - expected[start:end, None])
             del logits, probs
-            here = owned & (rows >= start) & (rows < end)
-            if grad_log_probs is not None and bool(here.any()):
-                grad_logits.index_put_((rows[here] - start, local_target[here]), grad_log_probs[here], accumulate=True)
+            first, last = ctx.bounds[block], ctx.bounds[block + 1]
+            if grad_log_probs is not None and last > first:
+                positions = order[first:last]
+                grad_logits.index_put_((sorted_rows[first:last] - start, column.index_select(0, positions)),
+                                       owned_grad.index_select(0, positions), accumulate=True)
             if grad_hidden is not None:
                 grad_hidden[start:end] = (grad_logits @ head_weight).to(hidden.dtype)
             if grad_weight is not None:

@@ -13,6 +13,7 @@ test asserts on them. With CHECKPOINT, the KDA + MLA model after its step is sav
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -30,6 +31,10 @@ from harts.train import TrainConfig, Trainer  # noqa: E402
 from harts.train.loop import save_weights  # noqa: E402
 from tests.helpers import forked_batch  # noqa: E402
 
+#: cpu: float64 and the pure-torch kernels; cuda (the GPU tests): float32 and the fast kernels, every rank on one GPU over gloo.
+DEVICE = torch.device(os.environ.get("TP_WORKER_DEVICE", "cpu"))
+DTYPE = torch.float64 if DEVICE.type == "cpu" else torch.float32
+
 VARIANTS = {
     "kda-mla": dict(linear="kda", attention="mla"),
     "gdn-gqa": dict(linear="gdn", attention="gqa", num_attention_heads=4, num_key_value_heads=2,
@@ -40,13 +45,13 @@ VARIANTS = {
 def dense_model(variant: str) -> HybridModel:
     torch.manual_seed(0)
     shape = dict(
-        ffn="dense", dtype="float64", vocab_size=128, layer_types=["linear", "full", "linear"],
+        ffn="dense", dtype=str(DTYPE).removeprefix("torch."), vocab_size=128, layer_types=["linear", "full", "linear"],
         hidden_size=32, intermediate_size=48, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
         linear_value_head_dim=8, num_attention_heads=2, head_dim=8, kv_lora_rank=16, qk_nope_head_dim=8,
         qk_rope_head_dim=4, v_head_dim=8,
     )
     config = HybridConfig.preset("tiny", **(shape | VARIANTS[variant]))
-    return HybridModel(config)
+    return HybridModel(config).to(DEVICE)
 
 
 def largest(a, b) -> float:
@@ -55,7 +60,7 @@ def largest(a, b) -> float:
 
 def surrogate_loss(out) -> torch.Tensor:
     """A fixed weighting of every position's log-prob and entropy (the same on every rank)."""
-    weights = torch.linspace(-1.0, 1.0, out.packed.numel(), dtype=torch.float64)
+    weights = torch.linspace(-1.0, 1.0, out.packed.numel(), dtype=out.packed.dtype, device=out.packed.device)
     return (out.packed * weights).sum() + 0.3 * (out.packed_entropy * weights.flip(0)).sum()
 
 
@@ -99,11 +104,11 @@ def compare_vocab_parallel(layout, cases: int = 24) -> dict:
         positions = int(torch.randint(0, 50, (), generator=generator))
         temperature = [1.0, 0.7, 1.3][case % 3]
         row_chunk = [None, 1, 5][case % 3]
-        hidden = torch.randn(rows, 16, dtype=torch.float64, generator=generator) * 2
-        weight = torch.randn(vocab, 16, dtype=torch.float64, generator=generator)
-        row_of = torch.randint(0, rows, (positions,), generator=generator)
-        targets = torch.randint(0, vocab, (positions,), generator=generator)
-        g_lp, g_h = (torch.randn(positions, dtype=torch.float64, generator=generator) for _ in range(2))
+        hidden = (torch.randn(rows, 16, dtype=torch.float64, generator=generator) * 2).to(DEVICE, DTYPE)
+        weight = torch.randn(vocab, 16, dtype=torch.float64, generator=generator).to(DEVICE, DTYPE)
+        row_of = torch.randint(0, rows, (positions,), generator=generator).to(DEVICE)
+        targets = torch.randint(0, vocab, (positions,), generator=generator).to(DEVICE)
+        g_lp, g_h = (torch.randn(positions, dtype=torch.float64, generator=generator).to(DEVICE, DTYPE) for _ in range(2))
 
         def run(h, w, parallel: bool):
             if parallel:
@@ -160,6 +165,8 @@ def compare_training(variant, layout, batch, mode: str, checkpoint: str | None, 
 def main(tensor_parallel: str, out: str, checkpoint: str | None = None) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(DEVICE)
     layout = harts.parallel.initialize(tensor_parallel=int(tensor_parallel))
     batch = forked_batch(chunk=4)
     # a group of this rank alone, for the single-process reference runs (every rank creates every group)
