@@ -1,9 +1,8 @@
 """``harts-bench --tp T --ep E``: the headline workload on harts.parallel's megatron-core path.
 
 Under ``torchrun --nproc-per-node N`` (or alone: a one-process group is made), every rank
-builds the preset with dense FFNs (the megatron path runs no MoE layers yet; ``ffn=dense`` is
-in the printed line), compiles the same plan and times F/B/Grad, as the runtime benchmark
-does, of:
+builds the preset (MoE experts replicated over the TP group, see harts.parallel.model),
+compiles the same plan and times F/B/Grad, as the runtime benchmark does, of:
 
 * ``native``: HARTS on the single-process model (every rank holds it whole);
 * ``megatron``: HARTS on this rank's tensor-parallel shard (``TensorParallelHybridModel``);
@@ -14,14 +13,13 @@ does, of:
 per-rank time at TP > 1), ``cosine`` the cosine of the megatron path's per-token log-probs
 against the stock-fla baseline's. Rank 0 prints::
 
-    headline-mcore: tp=1 ep=1 ffn=dense compression=... speedup_vs_fla_baseline=... native_ratio=... cosine=... peak_gib_per_rank=[...]
+    headline-mcore: tp=1 ep=1 ffn=moe compression=... speedup_vs_fla_baseline=... native_ratio=... cosine=... peak_gib_per_rank=[...]
 """
 
 from __future__ import annotations
 
 import os
 
-import attrs
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -72,7 +70,7 @@ def megatron_bench(args, device: torch.device) -> dict:
         device = torch.device("cuda", torch.cuda.current_device())
     try:
         layout = harts.parallel.initialize(tensor_parallel=args.tp or 1, expert_parallel=args.ep or 1)
-        config = attrs.evolve(build_config(args), ffn="dense", mlp_layer_types=None)
+        config = build_config(args)
         torch.manual_seed(0)
         with torch.device(device):
             native = HybridModel(config)
@@ -83,8 +81,9 @@ def megatron_bench(args, device: torch.device) -> dict:
         groups = baseline_microbatches(batch.lengths, args.capacity)
         compact_rows = sum(plan.layout(k).num_rows for k in range(len(plan.module.microbatches)))
         say(f"megatron-core: TP={layout.tensor_parallel_size} DP={layout.data_parallel_size}, "
-            f"{config.num_layers} dense layers, {compact_rows} compact rows")
-        results = {"tp": layout.tensor_parallel_size, "ep": layout.expert_parallel_size,
+            f"{config.num_layers} layers ({config.num_moe_layers} MoE), {compact_rows} compact rows")
+        ffn = "moe" if config.num_moe_layers else "dense"
+        results = {"tp": layout.tensor_parallel_size, "ep": layout.expert_parallel_size, "ffn": ffn,
                    "compression": batch.semantic_tokens / compact_rows}
         results["native"], _ = measure("native harts", lambda collect: harts_pass(native, plan, batch, kernels, trajectories, collect),
                                        native, device, args.warmup, args.repeats)
@@ -107,7 +106,7 @@ def megatron_bench(args, device: torch.device) -> dict:
         if dist.get_rank() == 0:
             write_results(args.out, results)
             peak_text = "[" + ",".join("nan" if p is None else f"{p:.2f}" for p in peaks) + "]"
-            print(f"headline-mcore: tp={results['tp']} ep={results['ep']} ffn=dense compression={results['compression']:.4f} "
+            print(f"headline-mcore: tp={results['tp']} ep={results['ep']} ffn={ffn} compression={results['compression']:.4f} "
                   f"speedup_vs_fla_baseline={results['speedup_vs_fla_baseline']:.4f} native_ratio={results['native_ratio']:.4f} "
                   f"cosine={results['cosine']:.8f} peak_gib_per_rank={peak_text}", flush=True)
         return results

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.model_parallel_config import ModelParallelConfig
-from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, reduce_from_tensor_model_parallel_region
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -37,7 +37,7 @@ from harts.parallel.mappings import gather_rows, padded_rows, scatter_rows
 from harts.runtime.config import HybridConfig
 from harts.runtime.layers import KimiForgetGate, RMSNorm
 from harts.runtime.model import DecoderLayer, HybridModel
-from harts.runtime.moe import MoEStats
+from harts.runtime.moe import MoEStats, TopKRouter
 
 __all__ = ["TensorParallelError", "TensorParallelHybridModel", "local_config"]
 
@@ -47,12 +47,7 @@ class TensorParallelError(HartsError, ValueError):
 
 
 def local_config(config: HybridConfig, size: int) -> HybridConfig:
-    """The config of one rank's layers: head and channel counts divided by the group size."""
-    if config.num_moe_layers:
-        raise TensorParallelError(
-            f"the megatron-core path runs dense FFNs only; this config has {config.num_moe_layers} MoE layer(s) "
-            "(mlp_layer_types)"
-        )
+    """The config of one rank's layers: head and channel counts divided by the group size (MoE experts stay whole)."""
     split = {
         "linear_num_key_heads": config.linear_num_key_heads,
         "linear_num_value_heads": config.linear_num_value_heads,
@@ -74,27 +69,55 @@ def _conv_segments(config: HybridConfig) -> list[int]:
     return [key, key, config.linear_num_value_heads * config.linear_value_head_dim]
 
 
+def _local_rows(values: torch.Tensor, padded: int, group, fill: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a per-row tensor [C, ...] padded to ``padded`` rows with ``fill`` (no gradient flows)."""
+    if padded > values.shape[0]:
+        values = torch.cat([values, fill.expand(padded - values.shape[0], *values.shape[1:])])
+    return values.chunk(group.size(), dim=0)[group.rank()]
+
+
 class ParallelDecoderLayer(DecoderLayer):
-    """One rank's pre-norm block: the native block at the local head count, megatron projections, SP rows."""
+    """One rank's pre-norm block: the native block at the local head count, megatron projections, SP rows.
+
+    A MoE FFN stays whole on every rank of the group and routes only this rank's rows (it is
+    token-wise): its experts and router are replicated parameters (gradients summed over the
+    group like the norms'), padding rows carry multiplicity 0 so that no router statistic counts
+    them, and the statistics are summed over the group with megatron-core's
+    ``reduce_from_tensor_model_parallel_region`` (its backward hands each rank the gradient of its rows).
+    """
 
     def __init__(self, config: HybridConfig, layer_idx: int, parallel_config: ModelParallelConfig, group):
         super().__init__(config, layer_idx)
         self.group = group
         to_megatron_projections(self.mixer, parallel_config, group)
-        to_megatron_projections(self.mlp, parallel_config, group)
+        if self.mlp_type != "moe":
+            to_megatron_projections(self.mlp, parallel_config, group)
 
     def forward(self, x: torch.Tensor, view, routed_experts: torch.Tensor | None = None):
-        """x [C' / TP, D] (this rank's rows) -> (x [C' / TP, D], None)."""
+        """x [C' / TP, D] (this rank's rows) -> (x [C' / TP, D], MoE statistics summed over the group, or None)."""
         mixer_in = gather_rows(self.input_layernorm(x), self.group)[: view.num_rows]
         x = x + self.mixer(mixer_in, view)
-        return x + self.mlp(gather_rows(self.post_attention_layernorm(x), self.group)), None
+        normed = self.post_attention_layernorm(x)
+        if self.mlp_type != "moe":
+            return x + self.mlp(gather_rows(normed, self.group)), None
+        padded = x.shape[0] * self.group.size()
+        weight = _local_rows(view.row_weight, padded, self.group, view.row_weight.new_zeros(()))
+        routed = None
+        if routed_experts is not None:
+            replay = routed_experts[:, self.moe_index]
+            distinct = torch.arange(replay.shape[1], device=replay.device, dtype=replay.dtype)
+            routed = _local_rows(replay, padded, self.group, distinct)
+        update, stats = self.mlp(normed, weight, routed)
+        if self.group.size() > 1:
+            stats = tuple(reduce_from_tensor_model_parallel_region(value.clone(), group=self.group) for value in stats)
+        return x + update, stats
 
 
 class TensorParallelHybridModel(nn.Module):
     """One tensor-parallel rank of a :class:`HybridModel` (see the module docstring).
 
     Args:
-        config: the full model's config (dense FFN; head counts and vocabulary divisible by TP).
+        config: the full model's config (head counts, FFN width and vocabulary divisible by TP).
         group: the tensor-parallel process group (default: megatron-core's, from
             ``parallel_state``; torch.distributed must be initialised).
     """
@@ -125,10 +148,14 @@ class TensorParallelHybridModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.to(config.torch_dtype)
-        keep = compute_dtype(config.torch_dtype)  # as HybridModel: KDA's decay bias stays in at least float32
+        keep = compute_dtype(config.torch_dtype)  # as HybridModel: decay biases and routers stay in at least float32
         for module in self.modules():
             if isinstance(module, KimiForgetGate):
                 module.dt_bias.data = module.dt_bias.data.to(keep)
+            elif isinstance(module, TopKRouter):
+                module.weight.data = module.weight.data.to(keep)
+                if module.e_score_correction_bias is not None:
+                    module.e_score_correction_bias = module.e_score_correction_bias.to(keep)
         #: Parameter name -> the dim its shard splits (None: replicated on every rank).
         self.split_dims: dict[str, int | None] = {}
 
@@ -265,14 +292,23 @@ class TensorParallelHybridModel(nn.Module):
             raise ValueError(f"input_ids must be [C] with C = {view.num_rows} rows, got shape {tuple(input_ids.shape)}")
         rows = view.num_rows
         ids = F.pad(input_ids, (0, padded_rows(rows, self.tensor_parallel_size) - rows))
+        if routed_experts is not None:
+            expected = (rows, self.config.num_moe_layers, self.config.num_experts_per_tok)
+            if tuple(routed_experts.shape) != expected:
+                raise ValueError(f"routed_experts must have shape [rows, MoE layers, top_k] = {list(expected)}, "
+                                 f"got {list(routed_experts.shape)}")
         x = scatter_rows(self.embed_tokens(ids), self.tensor_parallel_group)
+        per_layer = []
         for layer in self.layers:
             if recompute and torch.is_grad_enabled():
-                x, _ = checkpoint(layer, x, view, use_reentrant=False)
+                x, stats = checkpoint(layer, x, view, routed_experts, use_reentrant=False)
             else:
-                x, _ = layer(x, view)
+                x, stats = layer(x, view, routed_experts)
+            if stats is not None:
+                per_layer.append(stats)
         hidden = gather_rows(self.norm(x), self.tensor_parallel_group)[:rows]
-        moe = MoEStats.stack([], 0, self.config.num_experts, device=hidden.device, dtype=compute_dtype(hidden.dtype))
+        moe = MoEStats.stack(per_layer, rows if per_layer else 0, self.config.num_experts, device=hidden.device,
+                             dtype=compute_dtype(hidden.dtype))
         return hidden, moe
 
     def head_log_probs(self, hidden, rows, targets, *, with_entropy=False, row_chunk=None, temperature=1.0):

@@ -285,7 +285,7 @@ def _parallel_model(model, reference, options: RunOptions, group, device):
     if options.tp == 1 and options.ep == 1:
         return (wrap_model(model, options.parallel, device) if group.distributed else model), reference, group.world_size, None
     if options.ep != 1:
-        raise TrainingError("option --ep: expert parallelism needs MoE layers on megatron-core, which harts.parallel does not run yet")
+        raise TrainingError("option --ep: expert parallelism is not available yet (with --tp, MoE experts are replicated over the TP group)")
     if options.parallel != "ddp":
         raise TrainingError(f"option --parallel {options.parallel}: with --tp the data-parallel replicas run under DDP")
     import harts.parallel

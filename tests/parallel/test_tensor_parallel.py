@@ -1,7 +1,7 @@
 """megatron-core tensor + sequence parallelism on CPU (gloo, float64), under torchrun.
 
-tests/parallel/tp_worker.py runs on every rank: the dense hybrid model (KDA + MLA, GDN + GQA)
-split over TP ranks gives the single-process native model's per-token log-probs,
+tests/parallel/tp_worker.py runs on every rank: the hybrid model (KDA + MLA, GDN + GQA, and
+KDA + MLA with MoE FFNs, expert bias and router replay) split over TP ranks gives the single-process native model's per-token log-probs,
 entropies and gathered gradients, under the compiled plan and under the trajectory-wise
 baseline (forks at chunk B-1 / B / B+1); one ``Trainer.step`` (2 epochs, clipping, entropy
 bonus, temperature) moves the weights as a single-process step does, at TP = 2 and at
@@ -49,7 +49,10 @@ def test_layout(run):
     assert report["tp"] * report["dp"] in (1, 2, 4)
 
 
-@pytest.mark.parametrize("variant", ["kda-mla", "gdn-gqa"])
+VARIANTS = ["kda-mla", "gdn-gqa", "kda-mla-moe"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("mode", ["harts", "baseline"])
 def test_log_probs_and_gradients_equal_the_single_process_model(run, variant, mode):
     found = run[0][f"{variant}/{mode}/log_probs"]
@@ -59,7 +62,16 @@ def test_log_probs_and_gradients_equal_the_single_process_model(run, variant, mo
     assert found["rows"] == (117 if mode == "harts" else 214)  # the plan runs compact rows, the baseline every token
 
 
-@pytest.mark.parametrize("variant", ["kda-mla", "gdn-gqa"])
+@pytest.mark.parametrize("mode", ["harts", "baseline"])
+@pytest.mark.parametrize("key", ["log_probs", "replay"])
+def test_moe_statistics_equal_the_single_process_model(run, mode, key):
+    """Experts replicated over the group, each rank routing its rows: the q-weighted router statistics
+    (z-loss sum, probability mass, assignment counts, tokens) are the whole batch's, with and without router replay."""
+    found = run[0][f"kda-mla-moe/{mode}/{key}"]
+    assert max(value for name, value in found.items() if name != "rows") < TOLERANCE, found
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("mode", ["harts", "baseline"])
 def test_a_trainer_step_equals_the_single_process_step(run, variant, mode):
     found = run[0][f"{variant}/{mode}/step"]

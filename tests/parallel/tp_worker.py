@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --nproc-per-node N tests/parallel/tp_worker.py TP OUT [CHECKPOINT]
 
-For each dense model variant (KDA + MLA, GDN + GQA), float64, on the fork batch (forks at
+For each model variant (KDA + MLA, GDN + GQA, KDA + MLA + MoE), float64, on the fork batch (forks at
 chunk B-1 / B / B+1): the tensor-parallel model's per-token log-probs, entropies and gathered
 gradients under the plan and under the trajectory-wise baseline, beside the single-process
 native model's; then one ``Trainer.step`` per mode under DDP over the data-parallel group,
@@ -12,12 +12,14 @@ test asserts on them. With CHECKPOINT, the KDA + MLA model after its step is sav
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -26,7 +28,7 @@ warnings.filterwarnings("ignore")
 
 import harts  # noqa: E402
 import harts.parallel  # noqa: E402
-from harts.runtime import HybridConfig, HybridModel, log_probs, log_probs_baseline  # noqa: E402
+from harts.runtime import HybridConfig, HybridModel, load_balancing_loss, log_probs, log_probs_baseline, z_loss  # noqa: E402
 from harts.train import TrainConfig, Trainer  # noqa: E402
 from harts.train.loop import save_weights  # noqa: E402
 from tests.helpers import forked_batch  # noqa: E402
@@ -39,6 +41,9 @@ VARIANTS = {
     "kda-mla": dict(linear="kda", attention="mla"),
     "gdn-gqa": dict(linear="gdn", attention="gqa", num_attention_heads=4, num_key_value_heads=2,
                     attention_output_gate=True, qk_norm=True, norm_zero_centered=True),
+    # experts replicated over the TP group, each rank routing its rows; expert bias and a shared expert
+    "kda-mla-moe": dict(linear="kda", attention="mla", ffn="moe", moe_expert_bias=True, moe_intermediate_size=16,
+                        shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2),
 }
 
 
@@ -59,9 +64,24 @@ def largest(a, b) -> float:
 
 
 def surrogate_loss(out) -> torch.Tensor:
-    """A fixed weighting of every position's log-prob and entropy (the same on every rank)."""
+    """A fixed weighting of every position's log-prob and entropy, plus the router losses (the same on every rank)."""
     weights = torch.linspace(-1.0, 1.0, out.packed.numel(), dtype=out.packed.dtype, device=out.packed.device)
-    return (out.packed * weights).sum() + 0.3 * (out.packed_entropy * weights.flip(0)).sum()
+    loss = (out.packed * weights).sum() + 0.3 * (out.packed_entropy * weights.flip(0)).sum()
+    if out.moe.num_layers:
+        loss = loss + z_loss(out.moe) + load_balancing_loss(out.moe)
+    return loss
+
+
+def prefix_routing(trajectories, config):
+    """Replayed expert ids that depend only on each token's prefix (as one inference engine picks), distinct per token."""
+    out = []
+    for tokens in trajectories:
+        rows = []
+        for t in range(len(tokens)):
+            rng = np.random.default_rng(int.from_bytes(hashlib.sha256(str(list(tokens[: t + 1])).encode()).digest()[:8], "little"))
+            rows.append([rng.permutation(config.num_experts)[: config.num_experts_per_tok] for _ in range(config.num_moe_layers)])
+        out.append(np.asarray(rows, dtype=np.int64).reshape(len(tokens), config.num_moe_layers, config.num_experts_per_tok))
+    return out
 
 
 def gradient_gap(parallel, native) -> float:
@@ -82,7 +102,11 @@ def compare_log_probs(parallel, native, batch, plan, mode: str) -> dict:
 
     mine, want = run(parallel), run(native)
     baseline = log_probs_baseline(native, batch, plan, with_entropy=True)
-    return {
+    moe = {}
+    if want.moe.num_layers:
+        moe = {f"moe_{field}": largest(getattr(mine.moe, field).detach(), getattr(want.moe, field).detach())
+               for field in ("z_loss_sum", "prob_mass", "assign_count", "tokens")}
+    return moe | {
         "log_probs": largest(mine.packed, want.packed),
         "entropy": largest(mine.packed_entropy, want.packed_entropy),
         "log_probs_vs_baseline": largest(mine.packed.detach(), baseline.packed.detach()),
@@ -134,7 +158,8 @@ def compare_vocab_parallel(layout, cases: int = 24) -> dict:
 
 
 def compare_training(variant, layout, batch, mode: str, checkpoint: str | None, alone) -> dict:
-    config = TrainConfig(mode=mode, epochs=2, max_grad_norm=0.5, with_entropy=True, entropy_coef=0.01, temperature=0.9)
+    config = TrainConfig(mode=mode, epochs=2, max_grad_norm=0.5, with_entropy=True, entropy_coef=0.01, temperature=0.9,
+                         aux_loss_coef=1e-2, z_loss_coef=1e-3, expert_bias_rate=1e-3)
     lr = 0.05
     native = dense_model(variant)
     single = harts.compile(batch, capacity=60, dp_size=1, chunk_size=4)
@@ -157,7 +182,7 @@ def compare_training(variant, layout, batch, mode: str, checkpoint: str | None, 
         "loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(got.metrics, want.metrics)),
         "grad_norm": max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(got.metrics, want.metrics)),
         "entropy": max(abs(a["entropy"] - b["entropy"]) for a, b in zip(got.metrics, want.metrics)),
-        "weights": max(largest(weights[name], p.detach()) for name, p in native.named_parameters()),
+        "weights": max(largest(weights[name], p.detach()) for name, p in native.state_dict(keep_vars=True).items()),
         "moved": max(largest(p.detach(), q.detach()) for p, q in zip(native.parameters(), dense_model(variant).parameters())),
     }
 
@@ -177,6 +202,11 @@ def main(tensor_parallel: str, out: str, checkpoint: str | None = None) -> None:
         native = dense_model(variant)
         parallel = harts.parallel.TensorParallelHybridModel.from_model(dense_model(variant))
         plan = harts.compile(batch, capacity=60, dp_size=1, chunk_size=4)
+        if native.config.num_moe_layers:
+            replay = harts.RolloutBatch.from_trajectories(list(batch.tokens), routed_experts=prefix_routing(batch.tokens, native.config))
+            replay_plan = harts.compile(replay, capacity=60, dp_size=1, chunk_size=4)
+            for mode in ("harts", "baseline"):
+                report[f"{variant}/{mode}/replay"] = compare_log_probs(parallel, native, replay, replay_plan, mode)
         for mode in ("harts", "baseline"):
             report[f"{variant}/{mode}/log_probs"] = compare_log_probs(parallel, native, batch, plan, mode)
             report[f"{variant}/{mode}/step"] = compare_training(variant, layout, batch, mode,
