@@ -89,8 +89,7 @@ def test_a_tensor_parallel_checkpoint_loads_into_one_process(run):
     report, checkpoint = run
     from safetensors.torch import load_file
 
-    sys.path.insert(0, str(REPO / "tests" / "parallel"))
-    from tp_worker import dense_model
+    from tests.parallel.tp_worker import dense_model
 
     model = dense_model("kda-mla")
     model.load_state_dict(load_file(checkpoint))
@@ -100,6 +99,21 @@ def test_a_tensor_parallel_checkpoint_loads_into_one_process(run):
     got = log_probs(model, plan, batch).packed.detach()
     assert float((got - want).abs().max()) < TOLERANCE
     assert float((got - log_probs(dense_model("kda-mla"), plan, batch).packed.detach()).abs().max()) > 1e-6  # trained
+
+
+def test_a_tensor_parallel_model_saves_a_transformers_checkpoint(run):
+    """harts.parallel.save_pretrained gathers the shards (Kimi Linear: MLA, MoE, shared expert); loading the
+    directory back in one process gives the sharded model's log-probs."""
+    report, checkpoint = run
+    from harts.models import from_hf
+
+    directory = checkpoint.parent / "kimi-hf"
+    assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model.safetensors"]
+    model = from_hf(str(directory), chunk_size=4, dtype="float64")
+    batch = forked_batch(chunk=4)
+    plan = harts.compile(batch, capacity=60, dp_size=1, chunk_size=4)
+    want = torch.tensor(report["hf_checkpoint_log_probs"], dtype=torch.float64)
+    assert float((log_probs(model, plan, batch).packed.detach() - want).abs().max()) < TOLERANCE
 
 
 def test_harts_train_under_torchrun_with_tp_trains_as_one_process(tmp_path):

@@ -187,6 +187,20 @@ def compare_training(variant, layout, batch, mode: str, checkpoint: str | None, 
     }
 
 
+def save_hf_checkpoint(directory: Path, batch, plan) -> list[float]:
+    """A Kimi Linear model (MLA, group-limited MoE routing, shared expert) sharded, then written as a
+    transformers directory by harts.parallel.save_pretrained; returns the sharded model's log-probs."""
+    from harts.models import from_hf
+    from tests.helpers.hf import kimi_linear_config
+
+    config = kimi_linear_config(vocab_size=64)
+    config.dtype = DTYPE
+    torch.manual_seed(2)
+    parallel = harts.parallel.TensorParallelHybridModel.from_model(from_hf(config, chunk_size=4).to(DEVICE))
+    harts.parallel.save_pretrained(parallel, directory)
+    return log_probs(parallel, plan, batch).packed.tolist()
+
+
 def main(tensor_parallel: str, out: str, checkpoint: str | None = None) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -211,6 +225,7 @@ def main(tensor_parallel: str, out: str, checkpoint: str | None = None) -> None:
             report[f"{variant}/{mode}/log_probs"] = compare_log_probs(parallel, native, batch, plan, mode)
             report[f"{variant}/{mode}/step"] = compare_training(variant, layout, batch, mode,
                                                                checkpoint if variant == "kda-mla" else None, alone)
+    report["hf_checkpoint_log_probs"] = save_hf_checkpoint(Path(out, "kimi-hf"), batch, plan)
     if dist.get_rank() == 0:
         Path(out, "report.json").write_text(json.dumps(report, indent=1))
     dist.destroy_process_group()
