@@ -80,6 +80,13 @@ def test_a_trainer_step_equals_the_single_process_step(run, variant, mode):
         assert found[key] < TOLERANCE, key
 
 
+def test_random_rollout_trees_equal_the_single_process_model(run):
+    """hypothesis trees (forks before, on and after chunk boundaries; prefixes; microbatch capacity varied), drawn alike on every rank."""
+    found = dict(run[0]["random_trees"])
+    assert found.pop("examples") == 8
+    assert max(found.values()) < TOLERANCE, found
+
+
 def test_vocab_parallel_log_probs_and_entropy_equal_the_full_vocabulary(run):
     found = run[0]["vocab_parallel"]
     assert max(found.values()) < TOLERANCE, found

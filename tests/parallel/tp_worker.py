@@ -157,6 +157,36 @@ def compare_vocab_parallel(layout, cases: int = 24) -> dict:
     return worst
 
 
+def compare_random_trees(examples: int = 4) -> dict:
+    """compare_log_probs on hypothesis rollout trees (forks around chunk boundaries), for two variants.
+
+    Every rank must draw the same trees in the same order: derandomised, generation only (no
+    shrinking, whose path could differ between ranks), no example database.
+    """
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+
+    from tests.helpers.strategies import token_trees
+
+    worst = {"log_probs": 0.0, "entropy": 0.0, "log_probs_vs_baseline": 0.0, "gradients": 0.0, "examples": 0}
+    for variant in ("gdn-gqa", "kda-mla-moe"):
+        native = dense_model(variant)
+        parallel = harts.parallel.TensorParallelHybridModel.from_model(dense_model(variant))
+
+        @settings(max_examples=examples, derandomize=True, database=None, deadline=None, phases=[Phase.generate],
+                  suppress_health_check=list(HealthCheck))
+        @given(trajectories=token_trees(chunk_size=4, max_trajectories=5, max_length=14), slack=st.integers(0, 8))
+        def check(trajectories, slack):
+            batch = harts.RolloutBatch.from_trajectories(trajectories)
+            plan = harts.compile(batch, capacity=max(map(len, trajectories)) + slack, dp_size=1, chunk_size=4)
+            found = compare_log_probs(parallel, native, batch, plan, "harts")
+            for key in worst:
+                worst[key] = worst[key] + 1 if key == "examples" else max(worst[key], found[key])
+
+        check()
+    return worst
+
+
 def compare_training(variant, layout, batch, mode: str, checkpoint: str | None, alone) -> dict:
     config = TrainConfig(mode=mode, epochs=2, max_grad_norm=0.5, with_entropy=True, entropy_coef=0.01, temperature=0.9,
                          aux_loss_coef=1e-2, z_loss_coef=1e-3, expert_bias_rate=1e-3)
@@ -212,6 +242,7 @@ def main(tensor_parallel: str, out: str, checkpoint: str | None = None) -> None:
     alone = [dist.new_group([rank]) for rank in range(dist.get_world_size())][dist.get_rank()]
     report: dict = {"tp": layout.tensor_parallel_size, "dp": layout.data_parallel_size}
     report["vocab_parallel"] = compare_vocab_parallel(layout)
+    report["random_trees"] = compare_random_trees()
     for variant in VARIANTS:
         native = dense_model(variant)
         parallel = harts.parallel.TensorParallelHybridModel.from_model(dense_model(variant))
