@@ -106,6 +106,7 @@ def compile_command(
     capacity: int = typer.Option(DEFAULT_OPTIONS.capacity, "--capacity", help="Microbatch capacity T in compact tokens."),
     dp: int = typer.Option(DEFAULT_OPTIONS.dp_size, "--dp", help="Data-parallel degree D."),
     chunk_size: int = typer.Option(DEFAULT_OPTIONS.chunk_size, "--chunk-size", help="Linear-attention chunk size B."),
+    fast_kernels: bool = typer.Option(False, "--fast-kernels", help="Plan for the fast linear-attention kernels: refuse a chunk size they cannot take."),
     print_ir_after_all: bool = typer.Option(False, "--print-ir-after-all", help="Print the IR after every pass (stderr)."),
     print_ir_after: Optional[str] = typer.Option(None, "--print-ir-after", help="Comma-separated passes to print the IR after."),
     dump_ir: Optional[Path] = typer.Option(None, "--dump-ir", help="Write every stage, lowering and codegen included, to DIR/NNN_<pass>.txt."),
@@ -132,7 +133,7 @@ def compile_command(
         batch = resolve_input(input)
     plan = harts.compile(
         batch, capacity=capacity, dp_size=dp, chunk_size=chunk_size, pipeline=pipeline,
-        verify=False if no_verify else None, instruments=instruments, progress=True,
+        verify=False if no_verify else None, instruments=instruments, progress=True, fast_kernels=fast_kernels,
     )
     plan.save(output)
     print_stats(plan.stats, title=f"plan written to {output}")
@@ -237,10 +238,10 @@ def passes_command() -> None:
 
 
 def _records_table(records: list[dict], title: str) -> Table:
-    columns = ("step", "epoch", "loss", "kl", "clip_fraction", "entropy", "grad_norm", "fbgrad_seconds")
+    columns = ("step", "epoch", "loss", "kl", "clip_fraction", "entropy", "grad_norm", "fbgrad_seconds", "rows_per_second")
     table = Table(title=title)
     for column in columns:
-        table.add_column(column.replace("_seconds", " s").replace("_", " "), justify="right")
+        table.add_column(column.replace("_seconds", " s").replace("_per_second", "/s").replace("_", " "), justify="right")
     for record in records:
         table.add_row(*(_format(record.get(column)) for column in columns))
     return table
@@ -279,7 +280,7 @@ def train_command(
     kl_coef: Optional[float] = typer.Option(None, "--kl-coef", help="KL penalty to the initial weights (default 1e-3; 0: no reference model)."),
     temperature: Optional[float] = typer.Option(None, "--temperature", help="Sampling temperature the log-probs are computed at (default 1)."),
     capacity: Optional[int] = typer.Option(None, "--capacity", help="Microbatch capacity T in compact tokens (default 65536)."),
-    chunk_size: Optional[int] = typer.Option(None, "--chunk-size", help="Linear-attention chunk size B (default: the model's)."),
+    chunk_size: Optional[int] = typer.Option(None, "--chunk-size", help="Linear-attention chunk size B of the plan (default 64)."),
     dp: Optional[int] = typer.Option(None, "--dp", help="Data-parallel degree D of the plan (default: the torchrun world size)."),
     parallel: Optional[str] = typer.Option(None, "--parallel", help="Data-parallel wrapper under torchrun: ddp (default) or fsdp (FSDP2)."),
     tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size T on megatron-core (torchrun world = T x D; default 1: no megatron-core)."),
@@ -287,6 +288,7 @@ def train_command(
     recompute: Optional[bool] = typer.Option(None, "--recompute/--no-recompute", help="Full-layer activation recomputation (default off)."),
     save: Optional[Path] = typer.Option(None, "--save", help="Write the trained weights to this .safetensors file."),
     task: Optional[str] = typer.Option(None, "--task", help="Online RL on a task instead of a fixed batch: the policy samples rollout trees each step (tasks: count; see harts.tasks)."),
+    matmul_precision: Optional[str] = typer.Option(None, "--matmul-precision", help="torch.set_float32_matmul_precision: highest, high or medium (default: high on CUDA, as harts-bench; highest on CPU)."),
 ) -> None:
     """Train a model on a rollout batch for some RL steps (run under torchrun for data parallelism), or online on --task."""
     from harts.train.loop import load_options, run_training
@@ -295,7 +297,7 @@ def train_command(
         input=input, task=task, preset=preset, hf=hf, steps=steps, epochs=epochs, lr=lr, mode=mode, dtype=dtype, seed=seed,
         metrics=None if metrics is None else str(metrics), plot=None if plot is None else str(plot), algorithm=algorithm,
         kl_coef=kl_coef, temperature=temperature, capacity=capacity, chunk_size=chunk_size, dp=dp, parallel=parallel,
-        tp=tp, ep=ep, recompute=recompute, save=None if save is None else str(save),
+        tp=tp, ep=ep, recompute=recompute, save=None if save is None else str(save), matmul_precision=matmul_precision,
     )
     options = load_options(flags, config)
     if options.task is not None:

@@ -93,7 +93,7 @@ def megatron_bench(args, device: torch.device) -> dict:
         parallel.zero_grad(set_to_none=True)
         results["megatron_baseline_fla"], baseline_lp = measure(
             "megatron baseline (stock fla)",
-            lambda collect: baseline_pass(parallel, batch, groups, config.chunk_size, stock, trajectories, collect),
+            lambda collect: baseline_pass(parallel, batch, groups, plan.chunk_size, stock, trajectories, collect),
             parallel, device, args.warmup, args.repeats)
         parallel.zero_grad(set_to_none=True)
         results["native_ratio"] = results["megatron"]["mean_seconds"] / results["native"]["mean_seconds"]

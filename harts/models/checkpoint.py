@@ -92,7 +92,7 @@ def save_pretrained(model: HybridModel, directory: str | os.PathLike[str], *, ar
     fields.update(config_fields)
     hf_config = to_hf_config(model.config, chosen, **fields)
     hf_config.architectures = [ARCHITECTURES[chosen]]
-    described = hybrid_config_from_hf(hf_config, chunk_size=model.config.chunk_size, dtype=model.config.dtype)
+    described = hybrid_config_from_hf(hf_config, dtype=model.config.dtype)
     differing = _differing_fields(described, model.config)
     if differing:
         raise HFModelError(f"the transformers config of this model would describe another model (fields {', '.join(differing)} differ)")

@@ -26,7 +26,12 @@ PER_TOKEN_FIELDS = ("loss_mask",)
 #: Mask fields: every value finite and in [0, 1] (floats anywhere in the range; integers 0 or 1; booleans).
 MASK_FIELDS = ("loss_mask",)
 #: Fields a loss multiplies by: every value must be finite (a NaN would make the whole loss NaN).
-FINITE_FIELDS = ("loss_mask", "advantages", "advantage", "reward")
+FINITE_FIELDS = ("loss_mask", "advantages", "advantage", "reward", "importance_sampling_ratio")
+#: Log-prob fields (old, reference, and the rollout engine's, under the names harts.rl and the
+#: importers use): NaN or +inf would make the loss NaN; -inf (a token of probability zero) is
+#: kept, the losses read it as such.
+LOG_PROB_FIELDS = ("old_log_probs", "old_logprobs", "behavior_log_probs", "ref_log_probs", "ref_logprobs",
+                   "reference_log_probs", "rollout_logprobs")
 #: NumPy kinds a per-token field may have (what node tables store and read back).
 TOKEN_FIELD_KINDS = "biuf"
 #: NumPy kinds a per-trajectory field may have.
@@ -243,7 +248,8 @@ def scalar_field_array(entries: list[np.ndarray], name: str) -> np.ndarray:
 
 
 def check_field_values(name: str, values: np.ndarray, where: str) -> None:
-    """Masks (:data:`MASK_FIELDS`) finite and in [0, 1]; loss factors (:data:`FINITE_FIELDS`) finite."""
+    """Masks (:data:`MASK_FIELDS`) finite and in [0, 1]; loss factors (:data:`FINITE_FIELDS`) finite;
+    log-probs (:data:`LOG_PROB_FIELDS`) finite or -inf."""
     if values.dtype.kind == "b" or values.size == 0:
         return
     if name in FINITE_FIELDS and values.dtype.kind == "f":
@@ -251,6 +257,11 @@ def check_field_values(name: str, values: np.ndarray, where: str) -> None:
         if not finite.all():
             bad = int(np.flatnonzero(~finite)[0])
             raise RolloutInputError(f"{where}: field '{name}' entry {bad} is {values[bad]}; its values must be finite")
+    if name in LOG_PROB_FIELDS and values.dtype.kind == "f":
+        invalid = np.isnan(values) | (values == np.inf)
+        if invalid.any():
+            bad = int(np.flatnonzero(invalid.reshape(-1))[0])
+            raise RolloutInputError(f"{where}: field '{name}' entry {bad} is {values.reshape(-1)[bad]}; log-probs must be finite or -inf")
     if name in MASK_FIELDS:
         outside = (values < 0) | (values > 1)
         if outside.any():

@@ -24,6 +24,7 @@ import attrs
 import numpy as np
 import torch
 
+from harts.options import DEFAULT_OPTIONS
 from harts.train.config import TrainConfig, TrainingError
 from harts.train.distributed import init_from_environment, wrap_model
 from harts.train.trainer import Trainer
@@ -36,6 +37,15 @@ __all__ = ["CLI_TRAIN_DEFAULTS", "RunOptions", "TrainingRun", "build_model", "lo
 #: Where ``harts train`` departs from :class:`TrainConfig`'s defaults: a GRPO loop as RL
 #: trainers run it (two epochs per batch, KL to the initial policy, expert-bias balancing).
 CLI_TRAIN_DEFAULTS: dict[str, Any] = {"epochs": 2, "kl_coef": 1e-3, "expert_bias_rate": 1e-3}
+
+
+#: torch.set_float32_matmul_precision's settings.
+MATMUL_PRECISIONS = ("highest", "high", "medium")
+
+
+def _matmul_precision(instance, attribute, value) -> None:
+    if value is not None and value not in MATMUL_PRECISIONS:
+        raise TrainingError(f"option {attribute.name} must be one of {', '.join(MATMUL_PRECISIONS)}, got {value!r}")
 
 
 def _positive(instance, attribute, value) -> None:
@@ -60,7 +70,7 @@ class RunOptions:
     dtype: str | None = None
     seed: int = 0
     capacity: int = attrs.field(default=65536, validator=_positive)
-    chunk_size: int | None = attrs.field(default=None, validator=_positive)
+    chunk_size: int = attrs.field(default=DEFAULT_OPTIONS.chunk_size, validator=_positive)  # the plan's B
     dp: int | None = attrs.field(default=None, validator=_positive)
     parallel: str = "ddp"
     tp: int = attrs.field(default=1, validator=_positive)  # tensor parallel on megatron-core (harts.parallel)
@@ -68,6 +78,8 @@ class RunOptions:
     metrics: str | None = None
     plot: str | None = None
     save: str | None = None
+    # torch.set_float32_matmul_precision for the run; None: "high" (TF32) on CUDA, "highest" elsewhere
+    matmul_precision: str | None = attrs.field(default=None, validator=_matmul_precision)
     train: TrainConfig = attrs.field(factory=lambda: TrainConfig(**CLI_TRAIN_DEFAULTS))
 
 
@@ -176,13 +188,11 @@ def build_model(options: RunOptions, batch, device: torch.device | str = "cpu"):
     if options.hf is not None:
         from harts.models import from_hf
 
-        model = from_hf(options.hf, chunk_size=options.chunk_size or 64, dtype=options.dtype)
+        model = from_hf(options.hf, dtype=options.dtype)
     else:
         overrides = dict(options.model)
         if options.dtype is not None:
             overrides["dtype"] = options.dtype
-        if options.chunk_size is not None:
-            overrides["chunk_size"] = options.chunk_size
         if "vocab_size" not in overrides:
             from harts.runtime.config import PRESETS
 
@@ -320,6 +330,11 @@ def run_training(options: RunOptions, *, console=None, progress: bool = True) ->
         raise TrainingError(f"option --parallel must be 'ddp' or 'fsdp', got {options.parallel!r}")
     group, device, created = init_from_environment()
     metrics_file = None
+    previous_precision = torch.get_float32_matmul_precision()
+    # The log-prob head forms its [rows, vocab] logits in fp32 (exact normalisers); at "highest" those
+    # GEMMs take about half of a bf16 training pass on an H200. TF32 is what bf16 stacks run, and
+    # what `harts-bench` times, so the loop a user runs matches the benchmark's pass.
+    torch.set_float32_matmul_precision(options.matmul_precision or ("high" if device.type == "cuda" else "highest"))
     try:
         batch = resolve_input(options.input)
         advantages = training_advantages(batch)
@@ -329,8 +344,8 @@ def run_training(options: RunOptions, *, console=None, progress: bool = True) ->
         if options.train.kl_coef:
             reference = copy.deepcopy(model).requires_grad_(False)
         wrapped, reference, dp_size, dp_group = _parallel_model(model, reference, options, group, device)
-        plan = compile_batch(batch, capacity=options.capacity, dp_size=options.dp or dp_size,
-                             chunk_size=model.config.chunk_size, progress=progress and group.rank == 0)
+        plan = compile_batch(batch, capacity=options.capacity, dp_size=options.dp or dp_size, chunk_size=options.chunk_size,
+                             progress=progress and group.rank == 0)
         optimizer = make_optimizer(wrapped, options)
         trainer = Trainer(wrapped, optimizer, options.train, reference_model=reference, process_group=dp_group)
         if options.metrics is not None and group.rank == 0:
@@ -359,6 +374,7 @@ def run_training(options: RunOptions, *, console=None, progress: bool = True) ->
             save_weights(wrapped, options.save, rank=group.rank)
         return TrainingRun(tuple(records), dict(plan.stats), description, group.world_size, group.rank)
     finally:
+        torch.set_float32_matmul_precision(previous_precision)
         if metrics_file is not None:
             metrics_file.close()
         if created:

@@ -84,8 +84,6 @@ def build_task_model(options: RunOptions, task) -> HybridModel:
     overrides = {**task.model, **dict(options.model)}
     if options.dtype is not None:
         overrides["dtype"] = options.dtype
-    if options.chunk_size is not None:
-        overrides["chunk_size"] = options.chunk_size
     if overrides.get("vocab_size", task.vocab_size) < task.vocab_size:
         raise TrainingError(f"task {task.name!r} needs vocab_size >= {task.vocab_size}, got {overrides['vocab_size']}")
     torch.manual_seed(options.seed)
@@ -124,11 +122,11 @@ class _ModeRun:
     def step(self, task, options: RunOptions) -> list[dict[str, Any]]:
         started = time.perf_counter()
         episodes = task.episodes(self.prompts)
-        decoder = IncrementalDecoder(self.model, temperature=options.train.temperature)
+        decoder = IncrementalDecoder(self.model, temperature=options.train.temperature, chunk_size=options.chunk_size)
         rollouts = sample_rollouts(decoder, task, episodes, self.noise)
         batch = rollout_batch(rollouts)
         sampling_seconds = time.perf_counter() - started
-        plan = compile_batch(batch, capacity=options.capacity, dp_size=1, chunk_size=self.model.config.chunk_size)
+        plan = compile_batch(batch, capacity=options.capacity, dp_size=1, chunk_size=options.chunk_size)
         result = self.trainer.step(batch, plan)
         rewards = batch.trajectory_fields["reward"]
         figures = {

@@ -49,7 +49,7 @@ def main(out: str) -> None:
             results = []
             for network in (native, parallel):
                 network.zero_grad(set_to_none=True)
-                out_ = log_probs(network, plan, batch) if mode == "harts" else log_probs_baseline(network, batch, plan)
+                out_ = log_probs(network, plan, batch) if mode == "harts" else log_probs_baseline(network, batch, microbatches=plan)
                 out_.packed.sum().backward()
                 results.append((out_.packed.detach(), gradients(network)))
             (lp_a, g_a), (lp_b, g_b) = results

@@ -116,7 +116,7 @@ def test_a_tensor_parallel_model_saves_a_transformers_checkpoint(run):
 
     directory = checkpoint.parent / "kimi-hf"
     assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model.safetensors"]
-    model = from_hf(str(directory), chunk_size=4, dtype="float64")
+    model = from_hf(str(directory), dtype="float64")
     batch = forked_batch(chunk=4)
     plan = harts.compile(batch, capacity=60, dp_size=1, chunk_size=4)
     want = torch.tensor(report["hf_checkpoint_log_probs"], dtype=torch.float64)

@@ -96,12 +96,12 @@ def compare_log_probs(parallel, native, batch, plan, mode: str) -> dict:
         if mode == "harts":
             out = log_probs(model, plan, batch, with_entropy=True, row_chunk=7)
         else:
-            out = log_probs_baseline(model, batch, plan, with_entropy=True, row_chunk=7)
+            out = log_probs_baseline(model, batch, microbatches=plan, with_entropy=True, row_chunk=7)
         surrogate_loss(out).backward()
         return out
 
     mine, want = run(parallel), run(native)
-    baseline = log_probs_baseline(native, batch, plan, with_entropy=True)
+    baseline = log_probs_baseline(native, batch, microbatches=plan, with_entropy=True)
     moe = {}
     if want.moe.num_layers:
         moe = {f"moe_{field}": largest(getattr(mine.moe, field).detach(), getattr(want.moe, field).detach())
@@ -226,7 +226,7 @@ def save_hf_checkpoint(directory: Path, batch, plan) -> list[float]:
     config = kimi_linear_config(vocab_size=64)
     config.dtype = DTYPE
     torch.manual_seed(2)
-    parallel = harts.parallel.TensorParallelHybridModel.from_model(from_hf(config, chunk_size=4).to(DEVICE))
+    parallel = harts.parallel.TensorParallelHybridModel.from_model(from_hf(config).to(DEVICE))
     harts.parallel.save_pretrained(parallel, directory)
     return log_probs(parallel, plan, batch).packed.tolist()
 
