@@ -287,7 +287,7 @@ class TensorParallelHybridModel(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward_hidden(self, input_ids: torch.Tensor, view, *, recompute: bool = False, routed_experts=None):
-        """input_ids [C] -> (final hidden rows [C, D], the same on every rank; empty MoE statistics)."""
+        """input_ids [C], routed_experts [C, L_moe, k] or None -> (final hidden rows [C, D] and the MoE statistics, the same on every rank)."""
         if input_ids.dim() != 1 or input_ids.shape[0] != view.num_rows:
             raise ValueError(f"input_ids must be [C] with C = {view.num_rows} rows, got shape {tuple(input_ids.shape)}")
         rows = view.num_rows
