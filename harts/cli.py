@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -46,8 +47,12 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INF
     )
 
 
+#: Terminal escape sequences (colours, cursor moves): torch and transformers colour some messages.
+_ANSI_ESCAPE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
+
+
 def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
+    return " ".join(_ANSI_ESCAPE.sub("", str(text)).split())
 
 
 def _fail(error: Exception | str) -> None:
@@ -114,18 +119,19 @@ def compile_command(
     time_passes: bool = typer.Option(False, "--time-passes", help="Print the time of every pass."),
 ) -> None:
     """Compile a rollout batch into a plan artifact."""
+    from harts.fsio import IR_DUMP, check_outputs
     from harts.passes.manager import DumpIR, PrintIRAfter, TimePasses
-    from harts.rollouts.inputs import resolve_input
+    from harts.plan import plan_output_kind
+    from harts.rollouts.inputs import input_path, resolve_input
 
-    if dump_ir is not None and dump_ir.exists() and not dump_ir.is_dir():
-        _fail(f"--dump-ir {dump_ir}: it exists and is not a directory; name a directory to dump the stages into")
+    check_outputs([("--output", output, plan_output_kind(output)), ("--dump-ir", dump_ir, IR_DUMP)], [input_path(input)])
     instruments = []
     if print_ir_after_all:
         instruments.append(PrintIRAfter(None))
     elif print_ir_after:
         instruments.append(PrintIRAfter([p.strip() for p in print_ir_after.split(",") if p.strip()]))
     if dump_ir is not None:
-        instruments.append(DumpIR(dump_ir))
+        instruments.append(DumpIR(dump_ir, option="--dump-ir"))
     timer = TimePasses() if time_passes else None
     if timer is not None:
         instruments.append(timer)
@@ -151,12 +157,17 @@ def inspect_command(
     microbatch: Optional[int] = typer.Option(None, "--microbatch", help="Microbatch whose segment tree --plot draws (default: the one with the most rounds)."),
 ) -> None:
     """Show a plan: statistics, microbatches and rounds."""
+    from harts.fsio import PLOT_DIRECTORY, check_outputs
+
+    if microbatch is not None and plot is None:
+        _fail(f"--microbatch {microbatch} picks the segment tree that --plot draws; give --plot DIR too")
+    check_outputs([("--plot", plot, PLOT_DIRECTORY)], [plan_path])
     plan = harts.load_plan(plan_path)
     if plot is not None:
         from harts.viz import write_plots
 
         with console.status(f"plotting into {plot}"):
-            paths = write_plots(plan, plot, microbatch=microbatch)
+            paths = write_plots(plan, plot, microbatch=microbatch, option="--plot")
         for path in paths:
             console.print(f"wrote {path}")
         return
@@ -178,21 +189,6 @@ def inspect_command(
     Console().print(table)
 
 
-def _is_node_table(path: Path) -> bool:
-    """True for a node table HARTS wrote (its schema record / metadata), the only existing file convert replaces."""
-    try:
-        if path.suffix == ".jsonl":
-            with path.open(encoding="utf-8") as handle:
-                return json.loads(handle.readline() or "null").get("kind") == "schema"
-        import pyarrow.parquet as pq
-
-        from harts.rollouts import PARQUET_SCHEMA_KEY
-
-        return PARQUET_SCHEMA_KEY in (pq.read_schema(path).metadata or {})
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 @app.command("convert")
 @reports_errors
 def convert_command(
@@ -202,12 +198,11 @@ def convert_command(
     ignore: Optional[list[str]] = typer.Option(None, "--ignore", help="Batch key to leave out (repeatable)."),
 ) -> None:
     """Convert an RL framework's saved batch into a HARTS node table (trees recovered by token prefixes)."""
+    from harts.fsio import check_outputs
     from harts.interop import read_framework_batch
+    from harts.rollouts import NODE_TABLE
 
-    if output.exists() and output.resolve() == input.resolve():
-        raise HartsError(f"{output}: the output is the input file; choose another path")
-    if output.exists() and not _is_node_table(output):
-        raise HartsError(f"{output} exists and is not a HARTS node table; it was left untouched: choose another path")
+    check_outputs([("--output", output, NODE_TABLE)], [input])
     with console.status(f"reading {input}"):
         batch = read_framework_batch(input, framework, ignore=tuple(ignore or ()))
     try:
@@ -291,7 +286,7 @@ def train_command(
     matmul_precision: Optional[str] = typer.Option(None, "--matmul-precision", help="torch.set_float32_matmul_precision: highest, high or medium (default: high on CUDA, as harts-bench; highest on CPU)."),
 ) -> None:
     """Train a model on a rollout batch for some RL steps (run under torchrun for data parallelism), or online on --task."""
-    from harts.train.loop import load_options, run_training
+    from harts.train.loop import check_run_outputs, load_options, run_training
 
     flags = dict(
         input=input, task=task, preset=preset, hf=hf, steps=steps, epochs=epochs, lr=lr, mode=mode, dtype=dtype, seed=seed,
@@ -300,6 +295,7 @@ def train_command(
         tp=tp, ep=ep, recompute=recompute, save=None if save is None else str(save), matmul_precision=matmul_precision,
     )
     options = load_options(flags, config)
+    check_run_outputs(options, config=config)
     if options.task is not None:
         from harts.train.online import run_online
 
@@ -329,9 +325,12 @@ def run_command(
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
 ) -> None:
     """The main job: compile a batch, train a few GRPO steps with HARTS and the baseline from the same weights, compare."""
+    from harts.fsio import PNG, check_outputs
+    from harts.rollouts.inputs import input_path
     from harts.train.demo import run_demo
     from harts.train.loop import step_progress
 
+    check_outputs([("--plot", plot, PNG)], [input_path(input)])
     if threads > 0:
         import torch
 

@@ -30,14 +30,13 @@ import attrs
 import numpy as np
 
 from safetensors import safe_open
-from safetensors.numpy import load as load_tensors
 from safetensors.numpy import load_file as load_tensor_file
 from safetensors.numpy import save as save_tensors
 
 from harts._version import __version__
 from harts.binding import BoundPlan, bind
-from harts.errors import HartsError, PlanArtifactError
-from harts.fsio import atomic_write_bytes, foreign_entries, replace_directory
+from harts.errors import HartsError, OutputError, PlanArtifactError
+from harts.fsio import OutputKind, atomic_write_bytes, check_output, foreign_entries, replace_directory
 from harts.ir.layout import LaidOutModule, MicrobatchLayout
 from harts.ir.nodes import Module, Phase
 from harts.ir.text import parse_ir, print_ir
@@ -253,6 +252,10 @@ class Plan:
     def save(self, path: str | os.PathLike) -> Path:
         """Write the artifact atomically: a directory, or one file if ``path`` ends in ``.safetensors``."""
         path = Path(path)
+        try:  # the output-ownership rule (harts.fsio), before any work: new, or a plan HARTS wrote
+            check_output(path, plan_output_kind(path))
+        except OutputError as error:
+            raise PlanArtifactError(str(error)) from None
         ir_text = self.ir_text()
         tensors = self.index_tensors()
         if path.suffix == ".safetensors":
@@ -321,6 +324,20 @@ def _is_plan_file(path: Path) -> bool:
         return False
 
 
+def _why_not_a_plan_file(path: Path) -> str | None:
+    return None if _is_plan_file(path) else "it is not a safetensors file whose metadata holds a HARTS plan manifest"
+
+
+#: Plan targets for the output-ownership rule (:func:`harts.fsio.check_outputs`): HARTS replaces only plans it wrote.
+PLAN_DIRECTORY = OutputKind("a HARTS plan", "the plan", True, _why_not_a_plan_directory)
+PLAN_FILE = OutputKind("a HARTS plan", "the plan", False, _why_not_a_plan_file)
+
+
+def plan_output_kind(path: str | os.PathLike) -> OutputKind:
+    """The kind of plan :meth:`Plan.save` writes at ``path``: one file for ``.safetensors``, else a directory."""
+    return PLAN_FILE if Path(path).suffix == ".safetensors" else PLAN_DIRECTORY
+
+
 def _refuse_foreign_target(path: Path, why: str) -> PlanArtifactError:
     return PlanArtifactError(
         f"cannot save the plan to {path}: it exists and is not a HARTS plan ({why}); "
@@ -383,6 +400,45 @@ def _layouts_from_tensors(tensors: dict[str, np.ndarray], module: Module, where:
     return tuple(layouts)
 
 
+#: The largest safetensors header a plan may have: its tensor names and offsets (a few per microbatch).
+MAX_TENSOR_HEADER_BYTES = 64 << 20
+
+
+def _check_tensor_sizes(path: Path, what: str) -> None:
+    """Refuse a safetensors file whose size is not exactly what its header declares, before reading its tensors.
+
+    A file of gigabytes (sparse, or padded) behind a small header would otherwise be read whole into memory
+    only to fail its digest; the header alone (bounded) says how many bytes the tensors take.
+    """
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        prefix = handle.read(8)
+        header_bytes = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if not 0 < header_bytes <= min(size - 8, MAX_TENSOR_HEADER_BYTES):
+            raise PlanArtifactError(f"{path}: {what} (a safetensors header of {header_bytes:,} bytes in a {size:,}-byte file)")
+        try:
+            header = json.loads(handle.read(header_bytes).decode("utf-8"))
+            ends = [int(entry["data_offsets"][1]) for key, entry in header.items() if key != "__metadata__"]
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as error:
+            raise PlanArtifactError(f"{path}: {what} (a damaged safetensors header: {type(error).__name__})") from None
+    declared = max(ends, default=0)
+    held = size - 8 - header_bytes
+    if declared != held:
+        raise PlanArtifactError(
+            f"{path}: {what} (its header declares {declared:,} bytes of tensors but the file holds {held:,} after it; "
+            "it was not read)"
+        )
+
+
+def _file_digest(path: Path) -> str:
+    """SHA-256 of a file, read a block at a time (never the whole file in memory)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def load_plan(path: str | os.PathLike) -> Plan:
     """Load and check a plan artifact written by :meth:`Plan.save`.
 
@@ -418,16 +474,18 @@ def _load_plan(path: Path) -> Plan:
             manifest = _check_manifest(manifest, path)
             try:
                 ir_text = (path / _IR).read_bytes().decode("utf-8")
-                tensor_bytes = (path / _TENSORS).read_bytes()
+                _check_tensor_sizes(path / _TENSORS, "truncated or edited")
+                digest = _file_digest(path / _TENSORS)
             except FileNotFoundError as error:
                 raise PlanArtifactError(f"{path}: missing {Path(error.filename).name}") from None
-            if hashlib.sha256(tensor_bytes).hexdigest() != manifest.get("tensors_sha256"):
+            if digest != manifest.get("tensors_sha256"):
                 raise PlanArtifactError(f"{path / _TENSORS}: truncated or edited (digest mismatch)")
             try:
-                tensors = load_tensors(tensor_bytes)
+                tensors = load_tensor_file(str(path / _TENSORS))
             except Exception as error:  # safetensors raises several types for damaged headers
                 raise PlanArtifactError(f"{path / _TENSORS}: not readable tensors ({error})") from None
         else:
+            _check_tensor_sizes(path, "not a readable plan file")
             try:
                 with safe_open(str(path), framework="numpy") as handle:
                     metadata = handle.metadata() or {}

@@ -680,6 +680,9 @@ def main(argv=None) -> dict:
     # training stacks do and applies to the baseline and HARTS alike.
     torch.set_float32_matmul_precision(args.matmul_precision)
     if args.kernel_bench:
+        if not fla_chunk.fla_available():
+            # the kernel bench times stock fla against HARTS' call: without fla (and a GPU) there is nothing to time
+            raise harts.HartsError("--kernel-bench times flash-linear-attention's kernels: install fla and run on a CUDA GPU")
         results = kernel_bench(args, device)
         Path(args.out).write_text(json.dumps(results, indent=2))
         return results

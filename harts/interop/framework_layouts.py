@@ -165,10 +165,22 @@ def _prompt_lengths(batch: RolloutBatch, prompt_lengths: Any, name: str) -> np.n
     return values.astype(np.int64)
 
 
+#: The most slots (trajectories x columns) a padded layout may have: frameworks index them with 32-bit
+#: offsets, and a larger width is a mistake (``1e12``) that would otherwise end in a MemoryError.
+MAX_LAYOUT_SLOTS = 2**31 - 1
+
+
 def _width(width: int | None, needed: np.ndarray, what: str) -> int:
     longest = int(needed.max(initial=0))
     if width is None:
         return longest
+    if isinstance(width, bool) or not isinstance(width, (int, np.integer)):
+        raise LayoutError(f"width must be an integer number of columns, got {width!r}")
+    if width * max(len(needed), 1) > MAX_LAYOUT_SLOTS:
+        raise LayoutError(
+            f"width {width:,} for {len(needed)} trajectories makes {width * max(len(needed), 1):,} slots, above "
+            f"{MAX_LAYOUT_SLOTS:,}: give the framework's padded width (at least {longest})"
+        )
     if width < longest:
         worst = int(np.argmax(needed))
         raise LayoutError(f"width {width} is too small: trajectory {worst} needs {longest} {what}")

@@ -87,6 +87,13 @@ def _columns(d: Mapping[str, Any], framework: str, ignore: Iterable[str]) -> dic
     if not isinstance(d, Mapping):
         raise RolloutInputError(f"{framework} batch: expected a dict of tensors, got {type(d).__name__}")
     skipped = set(ignore)
+    unknown = sorted(skipped - set(d))
+    if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], [str(key) for key in d], n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"keys: {', '.join(sorted(map(str, d)))}"
+        raise RolloutInputError(f"{framework} batch: --ignore '{unknown[0]}' names no key of the batch; {hint}")
     out = {}
     for key, value in d.items():
         if key in skipped or value is None:
@@ -111,7 +118,15 @@ def _check_shape(array: np.ndarray, shape: tuple[int, ...], key: str, framework:
 
 
 def _run(mask_row: np.ndarray, *, left: bool, where: str) -> int:
-    """Length of the valid run of a padded row: a suffix (left padding) or a prefix (right padding)."""
+    """Length of the valid run of a padded row: a suffix (left padding) or a prefix (right padding).
+
+    Every entry must be 0 or 1: read as booleans, -1, 2 or 0.5 would count padding as real tokens."""
+    if mask_row.dtype.kind != "b":
+        with np.errstate(invalid="ignore"):
+            outside = (mask_row != 0) & (mask_row != 1)
+        if outside.any():
+            column = int(np.flatnonzero(outside)[0])
+            raise RolloutInputError(f"{where}: column {column} is {mask_row[column].item()!r}; a mask holds 0 (padding) or 1 (token)")
     valid = mask_row.astype(bool)
     count = int(valid.sum())
     width = len(valid)
@@ -346,6 +361,20 @@ _AREAL_AFTER_ADVANTAGES = {"loss_mask", "logprobs", "advantages", "returns", "va
 _AREAL_STRUCTURE = {"input_ids", "attention_mask", "cu_seqlens", "position_ids", ROUTED_EXPERTS}
 
 
+def _integer_offsets(values: np.ndarray, where: str) -> np.ndarray:
+    """Offsets as int64, refusing entries that are not whole numbers (2.7 would be truncated silently)."""
+    if values.dtype.kind in "iu":
+        return values.astype(np.int64)
+    if values.dtype.kind != "f":
+        raise RolloutInputError(f"{where}: expected integer offsets, got dtype {values.dtype}")
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(values) | (values != np.round(values)) | (np.abs(values) > 2**53)
+    if bad.any():
+        index = int(np.flatnonzero(bad)[0])
+        raise RolloutInputError(f"{where}: entry {index} is {values[index].item()!r}, not a whole number of tokens")
+    return values.astype(np.int64)
+
+
 def _areal_rows(columns: Mapping[str, np.ndarray]) -> tuple[list[np.ndarray], str]:
     """Token index lists (into the flattened per-token arrays) of every trajectory, and the batch's form."""
     input_ids = _require(columns, "input_ids", "areal")
@@ -354,7 +383,7 @@ def _areal_rows(columns: Mapping[str, np.ndarray]) -> tuple[list[np.ndarray], st
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         return [np.arange(offsets[i], offsets[i + 1]) for i in range(len(lengths))], "rows"
     if input_ids.ndim == 1:
-        cu = _require(columns, "cu_seqlens", "areal").astype(np.int64)
+        cu = _integer_offsets(_require(columns, "cu_seqlens", "areal"), "areal batch, key 'cu_seqlens'")
         if cu.ndim != 1 or cu[0] != 0 or cu[-1] != input_ids.shape[0] or np.any(np.diff(cu) < 0):
             raise RolloutInputError(f"areal batch, key 'cu_seqlens': not offsets from 0 to the {input_ids.shape[0]} packed tokens")
         return [np.arange(cu[i], cu[i + 1]) for i in range(len(cu) - 1)], "packed"
@@ -375,7 +404,14 @@ def _flat(array: np.ndarray, form: str, key: str, token_count: int, trailing: in
     if form == "rows":
         if array.dtype != object and array.ndim < 2 or array.dtype == object and len(array) and isinstance(array[0], (str, bytes)):
             return None  # per trajectory
-        flat = np.concatenate([np.asarray(row) for row in array]) if len(array) else np.zeros(0)
+        try:
+            flat = np.concatenate([np.asarray(row) for row in array]) if len(array) else np.zeros(0)
+        except ValueError:
+            shapes = sorted({np.shape(row)[1:] for row in array}, key=str)
+            raise RolloutInputError(
+                f"areal batch, key '{key}': its rows are ragged (per-token entries of shapes {', '.join(map(str, shapes))}); "
+                "give one value (or one array of one shape) per token"
+            ) from None
     elif form == "packed":
         flat = array
     else:

@@ -21,7 +21,8 @@ from typing import Any
 
 import attrs
 
-from harts.fsio import foreign_entries, replace_directory
+from harts.errors import OutputError
+from harts.fsio import OutputKind, check_output, foreign_entries, replace_directory
 from harts.models.hf import (
     ARCHITECTURES,
     HFModelError,
@@ -64,6 +65,10 @@ def _why_not_ours(path: Path) -> str | None:
     return None
 
 
+#: Checkpoint targets for the output-ownership rule (:func:`harts.fsio.check_outputs`).
+CHECKPOINT = OutputKind("a checkpoint HARTS wrote", "the checkpoint", True, _why_not_ours)
+
+
 def _differing_fields(a: HybridConfig, b: HybridConfig) -> list[str]:
     return [field.name for field in attrs.fields(HybridConfig) if getattr(a, field.name) != getattr(b, field.name)]
 
@@ -81,9 +86,10 @@ def save_pretrained(model: HybridModel, directory: str | os.PathLike[str], *, ar
     from harts import __version__
 
     path = Path(directory)
-    why = _why_not_ours(path) if (path.exists() or path.is_symlink()) else None
-    if why is not None:
-        raise HFModelError(f"cannot save the checkpoint to {path}: it exists and {why}; it was left untouched")
+    try:
+        check_output(path, CHECKPOINT)  # the output-ownership rule: new, empty, or a checkpoint HARTS wrote
+    except OutputError as error:
+        raise HFModelError(str(error)) from None
     chosen = _architecture_of(model.config, architecture or _source_architecture(model))
     source = getattr(model, "hf_source", None)
     kept = dict(source.config) if isinstance(source, HFSource) else {}

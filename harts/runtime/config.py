@@ -26,6 +26,7 @@ them for "gqa".
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import attrs
@@ -135,6 +136,7 @@ class HybridConfig:
     shared_expert_gate: bool = False
 
     def __attrs_post_init__(self) -> None:
+        self._check_field_types()
         # Frozen class: derived fields are filled in once, here, then never change.
         if self.layer_types is None:
             interval = self.full_attention_interval
@@ -161,6 +163,24 @@ class HybridConfig:
             heads = self.num_attention_heads
             object.__setattr__(self, "num_key_value_heads", max(1, heads // 2) if self.attention == "gqa" else heads)
         self._validate()
+
+    def _check_field_types(self) -> None:
+        """Every int, float and bool field holds a value of its type (a YAML ``num_layers: four`` or a
+        config.json ``"rope_theta": "1e4"`` is refused here, naming the field, before any arithmetic on it)."""
+        for field in attrs.fields(type(self)):
+            declared = str(field.type)
+            value = getattr(self, field.name)
+            if value is None and "None" in declared:
+                continue
+            kind = declared.split("|")[0].strip()
+            if kind == "bool" and not isinstance(value, bool):
+                raise HybridConfigError(f"{field.name} must be true or false, got {value!r}")
+            if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+                raise HybridConfigError(f"{field.name} must be an integer, got {value!r}")
+            if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+                raise HybridConfigError(f"{field.name} must be a finite number, got {value!r}")
+            if kind == "str" and not isinstance(value, str):
+                raise HybridConfigError(f"{field.name} must be a string, got {value!r}")
 
     @staticmethod
     def _normalise(values, aliases, field):

@@ -31,6 +31,7 @@ as consecutive parts of its members of at most ``capacity`` raw tokens, accumula
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -51,16 +52,21 @@ from harts.rl import (
     metadata_field,
     policy_loss,
     reduce_tokens,
+    refuse_empty_loss_mask,
     token_metadata,
 )
 from harts.runtime.api import MicrobatchOutput, bind_plan, microbatch_log_probs, microbatch_log_probs_baseline, unwrap_model
 from harts.runtime.moe import MoEStats, apply_expert_bias_update, load_balancing_loss, z_loss
-from harts.train.config import TrainConfig
+from harts.train.config import TrainConfig, TrainingError
 from harts.train.distributed import ProcessGroupInfo, gradient_sync, replica_microbatches
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepResult", "Trainer", "train_step"]
+__all__ = ["NonFiniteStepError", "StepResult", "Trainer", "train_step"]
+
+
+class NonFiniteStepError(TrainingError):
+    """A step's loss or gradient is NaN or infinite: the step is refused before the optimizer moves any weight."""
 
 #: Batch-level sums behind the metrics (summed over microbatches and ranks).
 _SUMS = ("loss", "policy_loss", "z_loss", "load_balancing_loss", "entropy", "kl", "tokens", "clipped",
@@ -183,6 +189,12 @@ class _Progress:
         self.done += 1
         if self.callback is not None:
             self.callback(phase, self.done, self.total)
+
+
+def _checked_denominator(batch, reduction: str):
+    """The loss denominator over the whole batch, refusing a loss mask that gates no log-prob."""
+    refuse_empty_loss_mask(batch.loss_mask, _log_prob_offsets(batch))
+    return loss_denominator(batch.loss_mask, _log_prob_offsets(batch), reduction)
 
 
 class Trainer:
@@ -311,7 +323,7 @@ class Trainer:
             batch=batch, plan=bound, config=config, group=group, parts=parts,
             advantages=metadata_field(advantages, batch, ADVANTAGE_FIELDS, "advantages", required=True),
             old_field=old_field, ref_field=ref_field,
-            denominator=loss_denominator(batch.loss_mask, _log_prob_offsets(batch), config.loss_reduction),
+            denominator=_checked_denominator(batch, config.loss_reduction),
             semantic_tokens=batch.semantic_tokens, moe_layers=moe_layers, no_grad_passes=no_grad_passes,
         )
 
@@ -370,7 +382,7 @@ class Trainer:
 
         started = self._now()
         lr = float(self.optimizer.param_groups[0]["lr"])
-        grad_norm = self._clip_and_step(config)
+        grad_norm = self._clip_and_step(config, sums[_SUMS.index("loss")], step.group, epoch)
         if config.expert_bias_rate and step.moe_layers:
             self._update_expert_bias(step.group.all_reduce(loads.clone()), config.expert_bias_rate)
         optimizer_seconds = self._now() - started
@@ -429,7 +441,7 @@ class Trainer:
         parts["loss"] = loss
         return parts
 
-    def _clip_and_step(self, config: TrainConfig) -> float:
+    def _clip_and_step(self, config: TrainConfig, local_loss: torch.Tensor, group: ProcessGroupInfo, epoch: int) -> float:
         parameters = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = float("inf") if config.max_grad_norm is None else config.max_grad_norm
         # A model split over a tensor-parallel group (harts.parallel) sums its replicated parameters'
@@ -444,6 +456,15 @@ class Trainer:
             norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm) if parameters else torch.zeros(())
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
             norm = norm.full_tensor()
+        # the batch loss over every rank, so that all ranks refuse the same step together
+        loss = float(group.all_reduce(local_loss.detach().clone().reshape(1))[0])
+        if not (math.isfinite(loss) and math.isfinite(float(norm))):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteStepError(
+                f"step {self.steps_done + 1}, epoch {epoch + 1}: the loss is {loss} and the gradient norm {float(norm)}; "
+                "the optimizer step was not taken (the weights are those before it). Check the learning rate, the "
+                "temperature and the batch's advantages, rewards and log-probs"
+            )
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()

@@ -55,13 +55,13 @@ def test_bench_runtime_smoke_on_cpu(tmp_path):
     assert calls["node_at_a_time"] == sum(results["plan"]["trie_nodes_per_microbatch"]) / results["plan"]["microbatches"]
     assert calls["node_at_a_time"] >= calls["sequence_at_a_time"] >= calls["harts"]
     assert results["node_at_a_time_mean_abs_logprob_delta"] < 1e-5
-    # replay keeps the chunk phase: it diverges from the baseline far less than the no-replay view
+    # in float32 both views are the baseline's function up to round-off, each bounded on its own: which
+    # rounds closer depends on the CPU's vector width (no replay is exact in float64: tests/runtime/test_ablation.py)
     ablation = results["replay_ablation"]
     deep = [str(d) for d in range(1, 6) if ablation["no_replay"][str(d)]["tokens"]]
     assert deep
     assert all(ablation["replay"][d]["mean_abs_delta_nll"] < 1e-5 for d in deep)
-    assert all(ablation["no_replay"][d]["mean_abs_delta_nll"] > 5 * ablation["replay"][d]["mean_abs_delta_nll"]
-               for d in deep)
+    assert all(ablation["no_replay"][d]["mean_abs_delta_nll"] < 1e-4 for d in deep)
 
 
 @pytest.mark.gpu

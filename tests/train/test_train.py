@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 from typer.testing import CliRunner
@@ -121,6 +121,7 @@ def test_temperature_divides_the_logits_before_the_log_softmax():
        model=st.sampled_from([("kda", "mla", "moe"), ("gdn", "gqa", "dense"), ("kda", "mha", "dense")]))
 def test_harts_on_any_microbatching_trains_as_the_baseline_on_one(trajectories, data, model):
     """HARTS on a random split into microbatches == the baseline on the whole batch at once, step by step."""
+    assume(any(len(t) > 2 for t in trajectories))  # rl_batch masks out the first two tokens; a batch training nothing is refused
     batch = rl_batch(trajectories, seed=len(trajectories))
     assignment = data.draw(st.lists(st.integers(0, 2), min_size=len(trajectories), max_size=len(trajectories)))
     groups = [g for g in ([i for i, a in enumerate(assignment) if a == k] for k in range(3)) if g]
@@ -354,7 +355,7 @@ def test_the_run_sets_the_matmul_precision_it_is_given_and_restores_the_callers(
         loop.run_training(load_options(flags, write_run_config(tmp_path)), progress=False)
         assert seen[-1] == expected and torch.get_float32_matmul_precision() == before
     result = runner.invoke(app, ["train", str(table), "--config", str(write_run_config(tmp_path)), "--matmul-precision", "fast"])
-    assert result.exit_code == 2 and "matmul_precision" in " ".join(result.output.split())
+    assert result.exit_code == 2 and "--matmul-precision must be one of" in " ".join(result.output.split())
 
 
 def test_cli_run_trains_both_modes_and_compares(tmp_path):
