@@ -149,6 +149,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="skip the replay / no-replay divergence by state-handoff depth (Eq. 25-26)")
     parser.add_argument("--fidelity-rows", type=int, default=2048, help="logit rows per block in the cosine check")
     parser.add_argument("--out", default="bench_runtime.json")
+    parser.add_argument("--tp", type=int, default=None,
+                        help="tensor-parallel size: time the megatron-core path (harts_bench.megatron) under torchrun")
+    parser.add_argument("--ep", type=int, default=None, help="expert-parallel size of the megatron-core path (not yet: with --tp, MoE experts are replicated over the TP group)")
     parser.add_argument("--kernel-bench", action="store_true",
                         help="only time the linear-attention kernels (fast vs reference) at --kernel-tokens rows")
     parser.add_argument("--kernel-tokens", type=int, default=32768)
@@ -698,6 +701,10 @@ def main(argv=None) -> dict:
         return results
     if args.attention_bench:
         return attention_bench_main(args, device)
+    if args.tp is not None or args.ep is not None:
+        from harts_bench.megatron import megatron_bench
+
+        return megatron_bench(args, device)
     return runtime_bench(args, device)
 
 

@@ -168,6 +168,10 @@ def _forward_with_head(model: nn.Module, input_ids: torch.Tensor, view, recomput
 def _log_probs_from_hidden(model, hidden, input_ids, rows, next_rows, with_entropy, row_chunk, temperature=1.0):
     """Compact-to-semantic log-probs of positions whose logit rows are ``rows`` and next tokens sit at ``next_rows``."""
     targets = input_ids.index_select(0, next_rows)
+    own_head = getattr(model, "head_log_probs", None)
+    if own_head is not None:
+        # a model that lays out its own LM head (harts.parallel's vocabulary shards) maps rows to positions itself
+        return own_head(hidden, rows, targets, with_entropy=with_entropy, row_chunk=row_chunk, temperature=temperature)
     if _has_linear_head(model):
         weight, bias = _head_weights(model, temperature)
         return compact_log_probs(hidden, weight, bias, rows, targets, with_entropy=with_entropy, row_chunk=row_chunk)

@@ -73,6 +73,8 @@ class RunOptions:
                                   validator=OptionRule("int", minimum=1, maximum=MAX_CHUNK_SIZE))  # the plan's B
     dp: int | None = attrs.field(default=None, validator=OptionRule("int", minimum=1, optional=True))
     parallel: str = attrs.field(default="ddp", validator=_text(optional=False, choices=("ddp", "fsdp")))
+    tp: int = attrs.field(default=1, validator=OptionRule("int", minimum=1))  # tensor parallel on megatron-core (harts.parallel)
+    ep: int = attrs.field(default=1, validator=OptionRule("int", minimum=1))
     metrics: str | None = attrs.field(default=None, validator=_text())
     plot: str | None = attrs.field(default=None, validator=_text())
     save: str | None = attrs.field(default=None, validator=_text())
@@ -250,8 +252,11 @@ def _full_state_dict(model) -> dict[str, torch.Tensor]:
     """Unsharded copies of every parameter and buffer (a collective under FSDP2: call on every rank)."""
     from harts.runtime.api import unwrap_model
 
+    inner = unwrap_model(model)
+    if hasattr(inner, "full_state_dict"):  # a tensor-parallel model (harts.parallel) gathers its shards
+        return {name: value.to("cpu").contiguous() for name, value in inner.full_state_dict().items()}
     state = {}
-    for name, value in unwrap_model(model).state_dict().items():
+    for name, value in inner.state_dict().items():
         if hasattr(value, "full_tensor"):
             value = value.full_tensor()
         state[name] = value.detach().to("cpu").clone().contiguous()
@@ -351,6 +356,33 @@ class TrainingRun:
     rank: int
 
 
+def _parallel_model(model, reference, options: RunOptions, group, device):
+    """(model to train, reference model, data-parallel degree, data-parallel group) for the run's layout.
+
+    Without ``--tp`` / ``--ep``: the model whole on every rank, wrapped by ``--parallel``, every rank
+    a DP replica. With them: megatron-core's layout (harts.parallel), each rank this model's
+    tensor-parallel shard, the DP replicas megatron's data-parallel ranks, DDP over their group.
+    """
+    if options.tp == 1 and options.ep == 1:
+        return (wrap_model(model, options.parallel, device) if group.distributed else model), reference, group.world_size, None
+    if options.ep != 1:
+        raise TrainingError("option --ep: expert parallelism is not available yet (with --tp, MoE experts are replicated over the TP group)")
+    if options.parallel != "ddp":
+        raise TrainingError(f"option --parallel {options.parallel}: with --tp the data-parallel replicas run under DDP")
+    import harts.parallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    layout = harts.parallel.initialize(tensor_parallel=options.tp, expert_parallel=options.ep)
+    parallel = harts.parallel.TensorParallelHybridModel.from_model(model)
+    if reference is not None:
+        reference = harts.parallel.TensorParallelHybridModel.from_model(reference).requires_grad_(False)
+    wrapped = parallel
+    if layout.data_parallel_size > 1:
+        device_ids = [device.index] if device.type == "cuda" else None
+        wrapped = DistributedDataParallel(parallel, device_ids=device_ids, process_group=layout.data_parallel_group)
+    return wrapped, reference, layout.data_parallel_size, layout.data_parallel_group
+
+
 def _describe(model, options: RunOptions) -> str:
     source = options.hf or options.preset
     return f"{source} ({sum(p.numel() for p in model.parameters()):,} parameters, {model.config.dtype})"
@@ -383,12 +415,11 @@ def run_training(options: RunOptions, *, console=None, progress: bool = True) ->
         reference = None
         if options.train.kl_coef:
             reference = copy.deepcopy(model).requires_grad_(False)
-        dp_size = options.dp or group.world_size
-        plan = compile_batch(batch, capacity=options.capacity, dp_size=dp_size, chunk_size=options.chunk_size,
+        wrapped, reference, dp_size, dp_group = _parallel_model(model, reference, options, group, device)
+        plan = compile_batch(batch, capacity=options.capacity, dp_size=options.dp or dp_size, chunk_size=options.chunk_size,
                              progress=progress and group.rank == 0)
-        wrapped = wrap_model(model, options.parallel, device) if group.distributed else model
         optimizer = make_optimizer(wrapped, options)
-        trainer = Trainer(wrapped, optimizer, options.train, reference_model=reference)
+        trainer = Trainer(wrapped, optimizer, options.train, reference_model=reference, process_group=dp_group)
         if options.metrics is not None and group.rank == 0:
             metrics_file = MetricsFile(options.metrics, option="--metrics")
         records: list[dict[str, Any]] = []

@@ -39,6 +39,7 @@ from typing import Any
 import attrs
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from harts.binding import BoundPlan
@@ -304,7 +305,13 @@ class Trainer:
         module = bound.module
         group = ProcessGroupInfo.of(self.model, self.process_group)
         parts = _parts(replica_microbatches(module, group.rank, group.world_size), batch, module, config.mode)
-        group.check_same((module.input_hash, [(mb.index, mb.replica, mb.slot) for mb in module.microbatches], config), "plan or config")
+        step_key = (module.input_hash, [(mb.index, mb.replica, mb.slot) for mb in module.microbatches], config)
+        group.check_same(step_key, "plan or config")
+        tensor_group = getattr(self.module, "tensor_parallel_group", None)
+        if tensor_group is not None:
+            # one plan on every rank of a tensor-parallel group: they execute the same rows
+            ProcessGroupInfo(dist.get_rank(tensor_group), dist.get_world_size(tensor_group), tensor_group).check_same(
+                step_key, "plan or config in its tensor-parallel group")
         old_field = None if config.recompute_old_log_probs else metadata_field(None, batch, OLD_LOG_PROB_FIELDS, "old_log_probs")
         ref_field = None
         if self.reference_model is None:
@@ -437,7 +444,16 @@ class Trainer:
     def _clip_and_step(self, config: TrainConfig, local_loss: torch.Tensor, group: ProcessGroupInfo, epoch: int) -> float:
         parameters = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = float("inf") if config.max_grad_norm is None else config.max_grad_norm
-        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm) if parameters else torch.zeros(())
+        # A model split over a tensor-parallel group (harts.parallel) sums its replicated parameters'
+        # gradients over the group and measures the norm of the whole model, shards and replicas once.
+        finalize = getattr(self.module, "finalize_gradients", None)
+        if finalize is not None:
+            finalize()
+        clip = getattr(self.module, "clip_grad_norm_", None)
+        if clip is not None:
+            norm = clip(max_norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm) if parameters else torch.zeros(())
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
             norm = norm.full_tensor()
         # the batch loss over every rank, so that all ranks refuse the same step together

@@ -1,0 +1,185 @@
+"""Vocab-parallel compact log-probs and entropy (paper Eq. 17-19) over the tensor-parallel group.
+
+Rank r holds the LM head's vocabulary shard ``[V / TP, D]`` (rows ``start .. start + V / TP``
+of the full head, as megatron-core's ``VocabParallelEmbedding`` / output layer split it) and
+every compact hidden row. It forms only its shard's logits, a block of rows at a time, so no
+rank holds a ``[rows, V]`` tensor (the largest buffer is ``row_chunk x V / TP``). Per row it
+reduces its shard to two numbers, the shard's log-sum-exp ``l_r`` and its softmax mean logit
+``e_r``; one all-gather of ``[2, C]`` then gives every rank the row's normaliser and expected
+logit::
+
+    lse = logsumexp_r l_r,        E_p[z] = sum_r exp(l_r - lse) * e_r,     H = lse - E_p[z]
+
+and one all-reduce of ``[P]`` brings each position's target logit from the shard that owns
+its token. Backward recomputes each block's shard logits and forms their gradient with the
+global normaliser (``p = exp(z - lse)``), as :class:`harts.numerics.CompactLogProbs` does for
+the full vocabulary; the hidden gradient it returns is this shard's part, which the caller's
+row gather (:func:`harts.parallel.mappings.gather_rows`) sums over ranks in its backward.
+
+megatron-core's ``vocab_parallel_cross_entropy`` takes ``[rows, V / TP]`` logits, once per
+position: it would expand compact rows back to positions (the saving HARTS exists for) and
+hold the logits for backward; hence this function.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from harts.numerics import compute_dtype, default_row_chunk
+
+__all__ = ["vocab_parallel_compact_log_probs"]
+
+
+def _blocks(num_rows: int, row_chunk: int):
+    for start in range(0, num_rows, row_chunk):
+        yield start, min(num_rows, start + row_chunk)
+
+
+def _shard_logits(hidden_block, weight, bias, dtype):
+    logits = hidden_block.to(dtype) @ weight.t()
+    return logits if bias is None else logits + bias
+
+
+def _row_blocks(rows: torch.Tensor, num_rows: int, row_chunk: int):
+    """Positions sorted by row and where each block of rows starts among them (one host sync)."""
+    order = torch.argsort(rows, stable=True)
+    sorted_rows = rows.index_select(0, order)
+    edges = torch.arange(0, num_rows + row_chunk, row_chunk, device=rows.device)
+    return order, sorted_rows, torch.searchsorted(sorted_rows, edges).tolist()
+
+
+class VocabParallelCompactLogProbs(torch.autograd.Function):
+    """(hidden [C, D], shard weight [V/TP, D], shard bias | None, rows [P], targets [P]) -> (log-probs [P], entropy [P] | None)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, rows, targets, vocab_start, with_entropy, row_chunk, group):
+        dtype = compute_dtype(hidden.dtype)
+        num_rows, shard = hidden.shape[0], weight.shape[0]
+        head_weight = weight.to(dtype)
+        head_bias = None if bias is None else bias.to(dtype)
+        order, sorted_rows, bounds = _row_blocks(rows, num_rows, row_chunk)
+        # Positions whose target another shard owns read a clamped column and are masked to zero.
+        local_target = targets - vocab_start
+        owned = (local_target >= 0) & (local_target < shard)
+        column = local_target.clamp(0, shard - 1)
+        stats = hidden.new_zeros((2, num_rows), dtype=dtype)  # this shard's [lse_r; E_r[z]] per row
+        target_logits = hidden.new_zeros(rows.shape[0], dtype=dtype)
+        for block, (start, end) in enumerate(_blocks(num_rows, row_chunk)):
+            logits = _shard_logits(hidden[start:end], head_weight, head_bias, dtype)
+            block_lse = torch.logsumexp(logits, dim=-1)
+            stats[0, start:end] = block_lse
+            if with_entropy:
+                stats[1, start:end] = (torch.exp(logits - block_lse[:, None]) * logits).sum(-1)
+            first, last = bounds[block], bounds[block + 1]
+            if last > first:
+                positions = order[first:last]
+                picked = logits[sorted_rows[first:last] - start, column.index_select(0, positions)]
+                target_logits[positions] = torch.where(owned.index_select(0, positions), picked, 0.0)
+            del logits
+        size = dist.get_world_size(group)
+        if size > 1:
+            gathered = stats.new_empty((size * 2, num_rows))
+            dist.all_gather_into_tensor(gathered, stats, group=group)
+            gathered = gathered.view(size, 2, num_rows)
+            dist.all_reduce(target_logits, group=group)
+        else:
+            gathered = stats[None]
+        lse = torch.logsumexp(gathered[:, 0], dim=0)
+        expected = (torch.exp(gathered[:, 0] - lse) * gathered[:, 1]).sum(0) if with_entropy else None
+        log_probs = target_logits - lse.index_select(0, rows)
+        entropy = (lse - expected).index_select(0, rows) if with_entropy else None
+        ctx.save_for_backward(hidden, weight, bias, rows, column, owned, lse, expected, order, sorted_rows)
+        ctx.bounds, ctx.row_chunk, ctx.with_entropy, ctx.has_bias = bounds, row_chunk, with_entropy, bias is not None
+        return log_probs, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_log_probs, grad_entropy):
+        hidden, weight, bias, rows, column, owned, lse, expected, order, sorted_rows = ctx.saved_tensors
+        dtype = lse.dtype
+        num_rows = hidden.shape[0]
+        row_grad = torch.zeros(num_rows, dtype=dtype, device=hidden.device)
+        if grad_log_probs is not None:
+            grad_log_probs = grad_log_probs.to(dtype)
+            row_grad.index_add_(0, rows, grad_log_probs)
+            owned_grad = torch.where(owned, grad_log_probs, 0.0)
+        entropy_grad = None
+        if ctx.with_entropy and grad_entropy is not None:
+            entropy_grad = torch.zeros(num_rows, dtype=dtype, device=hidden.device)
+            entropy_grad.index_add_(0, rows, grad_entropy.to(dtype))
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_bias and ctx.has_bias else None
+        head_weight = weight.to(dtype)
+        head_bias = None if bias is None else bias.to(dtype)
+        for block, (start, end) in enumerate(_blocks(num_rows, ctx.row_chunk)):
+            block_hidden = hidden[start:end].to(dtype)
+            logits = _shard_logits(block_hidden, head_weight, head_bias, dtype)
+            probs = torch.exp(logits - lse[start:end, None])
+            grad_logits = probs * (-row_grad[start:end, None])
+            if entropy_grad is not None:
+                grad_logits -= entropy_grad[start:end, None] * probs * (logits - expected[start:end, None])
+            del logits, probs
+            first, last = ctx.bounds[block], ctx.bounds[block + 1]
+            if grad_log_probs is not None and last > first:
+                positions = order[first:last]
+                grad_logits.index_put_((sorted_rows[first:last] - start, column.index_select(0, positions)),
+                                       owned_grad.index_select(0, positions), accumulate=True)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = (grad_logits @ head_weight).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight += grad_logits.t() @ block_hidden
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(0)
+            del grad_logits
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def vocab_parallel_compact_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    group,
+    with_entropy: bool = False,
+    row_chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of ``P`` positions read from ``C`` compact rows, the head split by vocabulary.
+
+    Args:
+        hidden: [C, D], the same on every rank of ``group``; weight / bias: this rank's shard
+            ``[V / TP, D]`` / ``[V / TP]`` of the (temperature-scaled) LM head, starting at
+            token ``vocab_start``; rows / targets: [P] compact row and next token (full
+            vocabulary ids in ``[0, vocab_size)``) of each position.
+    Returns:
+        log_probs [P] and entropy [P] or None, equal on every rank; differentiable w.r.t.
+        hidden (this shard's part of its gradient) and the shard.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"hidden must be [C, D] and weight [V/TP, D]; got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if rows.shape != targets.shape or rows.dim() != 1:
+        raise ValueError(f"rows and targets must be 1-D of one length; got {tuple(rows.shape)} and {tuple(targets.shape)}")
+    rows = rows.to(device=hidden.device, dtype=torch.long)
+    targets = targets.to(device=hidden.device, dtype=torch.long)
+    if rows.numel():
+        if int(rows.min()) < 0 or int(rows.max()) >= hidden.shape[0]:
+            raise ValueError(f"rows must lie in [0, {hidden.shape[0]})")
+        if int(targets.min()) < 0 or int(targets.max()) >= vocab_size:
+            bad = int(targets.max()) if int(targets.max()) >= vocab_size else int(targets.min())
+            raise ValueError(f"target token {bad} is outside the vocabulary [0, {vocab_size})")
+    chunk = row_chunk if row_chunk is not None else default_row_chunk(hidden.shape[0], weight.shape[0])
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"row_chunk must be a positive int, got {row_chunk!r}")
+    return VocabParallelCompactLogProbs.apply(
+        hidden, weight, bias, rows, targets, int(vocab_start), bool(with_entropy), chunk, group
+    )
