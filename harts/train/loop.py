@@ -43,6 +43,9 @@ def _text(optional: bool = True, choices: tuple[str, ...] | None = None) -> Opti
     return OptionRule("text", optional=optional, choices=choices)
 
 
+_path = OptionRule("path", optional=True)
+
+
 def _mapping(instance, attribute, value) -> None:
     if not isinstance(value, Mapping):
         raise TrainingError(f"{type(instance).__name__}.{attribute.name} must be a mapping of model config fields, got {value!r}")
@@ -52,11 +55,11 @@ def _mapping(instance, attribute, value) -> None:
 class RunOptions:
     """Everything ``harts train`` needs; ``train`` holds the step's :class:`TrainConfig`."""
 
-    input: str | None = attrs.field(default=None, validator=_text())
+    input: str | os.PathLike | None = attrs.field(default=None, validator=_path)
     task: str | None = attrs.field(default=None, validator=_text())  # an online RL task (harts.tasks): see harts.train.online
     both_modes: bool = attrs.field(default=False, validator=OptionRule("bool"))  # --mode both (tasks only)
     preset: str = attrs.field(default="tiny", validator=_text(optional=False))
-    hf: str | None = attrs.field(default=None, validator=_text())
+    hf: str | os.PathLike | None = attrs.field(default=None, validator=_path)
     model: Mapping[str, Any] = attrs.field(factory=dict, validator=_mapping)  # preset overrides, e.g. {"num_layers": 2}
     steps: int = attrs.field(default=3, validator=OptionRule("int", minimum=1))
     lr: float = attrs.field(default=1e-4, validator=OptionRule("number", above=0.0))
@@ -68,9 +71,9 @@ class RunOptions:
     chunk_size: int | None = attrs.field(default=None, validator=OptionRule("int", minimum=1, maximum=MAX_CHUNK_SIZE, optional=True))
     dp: int | None = attrs.field(default=None, validator=OptionRule("int", minimum=1, optional=True))
     parallel: str = attrs.field(default="ddp", validator=_text(optional=False, choices=("ddp", "fsdp")))
-    metrics: str | None = attrs.field(default=None, validator=_text())
-    plot: str | None = attrs.field(default=None, validator=_text())
-    save: str | None = attrs.field(default=None, validator=_text())
+    metrics: str | os.PathLike | None = attrs.field(default=None, validator=_path)
+    plot: str | os.PathLike | None = attrs.field(default=None, validator=_path)
+    save: str | os.PathLike | None = attrs.field(default=None, validator=_path)
     train: TrainConfig = attrs.field(factory=lambda: TrainConfig(**CLI_TRAIN_DEFAULTS))
 
 
