@@ -49,7 +49,7 @@ import numpy as np
 
 from harts.rollouts.batch import ROUTED_EXPERTS, RolloutBatch
 from harts.errors import RolloutInputError
-from harts.interop.layouts import PROMPT_LENGTH
+from harts.interop.framework_layouts import PROMPT_LENGTH
 
 logger = logging.getLogger(__name__)
 
@@ -184,10 +184,16 @@ def _token_ids(array: np.ndarray, key: str, framework: str) -> np.ndarray:
 
 
 def _per_trajectory(columns: Mapping[str, np.ndarray], used: set[str], count: int, framework: str, rows: _Rows) -> set[str]:
-    """Move the [B] entries into per-trajectory fields; return their keys."""
+    """Move the [B] entries, and the sequence-level [B, 1] ones (vLLM's ``importance_sampling_ratio``), into
+    per-trajectory fields; return their keys. Called after the per-token keys are taken, so a [B, 1] field of a
+    batch whose rows are one token wide stays per token."""
     taken = set()
     for key, array in columns.items():
-        if key in used or array.ndim != 1 or array.dtype == object:
+        if key in used or array.dtype == object:
+            continue
+        if array.ndim == 2 and array.shape[1] == 1:
+            array = array[:, 0]
+        if array.ndim != 1:
             continue
         if array.shape[0] != count:
             raise RolloutInputError(f"{framework} batch, key '{key}': {array.shape[0]} entries for {count} rows")

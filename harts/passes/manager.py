@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TextIO
 
 from harts.errors import HartsError, IRVerificationError, OutputError, PipelineError
-from harts.fsio import atomic_write_bytes
+from harts.fsio import IR_DUMP_STAGE, atomic_write_bytes, check_output, dump_stage_header, prepare_ir_dump
 from harts.ir.nodes import Phase
 from harts.ir.text import print_ir
 from harts.ir.verify import verify
@@ -76,22 +76,35 @@ class DumpIR(Instrument):
     """Write every stage as ``NNN_<pass>.txt``, numbered from 000 in the order they are produced.
 
     A pipeline that starts from an already lowered module writes that input as ``000_lower.txt``.
+    The directory must be new, empty or an earlier dump (:data:`harts.fsio.IR_DUMP`: every stage
+    file starts with a HARTS header comment, which the IR parser skips); that dump's stages are
+    removed first, so none is left beside the new ones.
     """
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, *, option: str | None = None):
         self.directory = Path(directory)
+        self.option = option or "cannot dump the IR to"
         self.count = 0
 
     def _write(self, name: str, text: str) -> None:
         target = self.directory / f"{self.count:03d}_{name}.txt"
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(target, text.encode())
+            check_output(target, IR_DUMP_STAGE, option=self.option)
+            atomic_write_bytes(target, (dump_stage_header(self.count, name) + text).encode())
+        except OutputError:
+            raise
         except OSError as error:
             raise OutputError(f"cannot dump the IR to {self.directory}: {error.strerror or error}") from error
         self.count += 1
 
     def before_pipeline(self, module: Stage | None) -> None:
+        self.count = 0
+        try:
+            prepare_ir_dump(self.directory, option=self.option)
+        except OutputError:
+            raise
+        except OSError as error:
+            raise OutputError(f"cannot dump the IR to {self.directory}: {error.strerror or error}") from error
         if module is not None:
             self._write("lower", print_ir(module))
 

@@ -25,11 +25,13 @@ DEFAULT_TOKEN_FIELDS = ("loss_mask",)
 PER_TOKEN_FIELDS = ("loss_mask",)
 #: Mask fields: every value finite and in [0, 1] (floats anywhere in the range; integers 0 or 1; booleans).
 MASK_FIELDS = ("loss_mask",)
-#: Fields a loss multiplies by: every value must be finite (a NaN would make the whole loss NaN).
-FINITE_FIELDS = ("loss_mask", "advantages", "advantage", "reward",
-                 # old, reference and sampling (inference-engine) log-probs: a NaN there makes the ratio or KL NaN
-                 "old_log_probs", "old_logprobs", "behavior_log_probs", "ref_log_probs", "ref_logprobs",
-                 "reference_log_probs", "rollout_logprobs", "rollout_log_probs")
+#: Log-prob fields (old, reference, and the rollout engine's, under the names harts.rl and the
+#: importers use). They are finite too: NaN or +inf makes the loss NaN, and -inf makes the
+#: importance ratio infinite (a loss of -inf for a negative advantage).
+LOG_PROB_FIELDS = ("old_log_probs", "old_logprobs", "behavior_log_probs", "ref_log_probs", "ref_logprobs",
+                   "reference_log_probs", "rollout_logprobs", "rollout_log_probs")
+#: Fields a loss multiplies by or exponentiates: every value must be finite (a NaN would make the whole loss NaN).
+FINITE_FIELDS = ("loss_mask", "advantages", "advantage", "reward", "importance_sampling_ratio", *LOG_PROB_FIELDS)
 #: Field names HARTS reads.
 KNOWN_FIELDS = (*FINITE_FIELDS, "group_id")
 #: The fields whose misspelling would go unnoticed (the real one silently defaults: a mask of ones, log-probs
@@ -272,7 +274,7 @@ def refuse_misspelt_field(name: str) -> None:
 
 
 def check_field_values(name: str, values: np.ndarray, where: str) -> None:
-    """Masks (:data:`MASK_FIELDS`) finite and in [0, 1]; loss factors (:data:`FINITE_FIELDS`) finite."""
+    """Masks (:data:`MASK_FIELDS`) finite and in [0, 1]; loss factors and log-probs (:data:`FINITE_FIELDS`) finite."""
     if values.dtype.kind == "b" or values.size == 0:
         return
     if name in FINITE_FIELDS and values.dtype.kind == "f":

@@ -64,16 +64,16 @@ class CountingTask(Task):
         self.prompts_per_step = prompts
         self.instruction = tuple(range(FIRST_DIGIT + self.modulus, FIRST_DIGIT + self.modulus + 5))
         self.vocab_size = FIRST_DIGIT + self.modulus + len(self.instruction)
-        # A small hybrid policy: KDA, MLA, MoE (the "tiny" preset, shrunk); chunk 4 puts forks
-        # before, on and after chunk boundaries.
+        # A small hybrid policy: KDA, MLA, MoE (the "tiny" preset, shrunk).
         self.model = dict(
             vocab_size=self.vocab_size, hidden_size=32, num_layers=3, layer_types=("linear", "full", "linear"),
-            chunk_size=4, intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+            intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=16,
             linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
             num_attention_heads=2, head_dim=8, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
         )
         # One update per batch (verl's default ppo_epochs) and Adam eps 1e-4: see "Sensitivity" in harts.train.online.
-        self.defaults = dict(steps=100, lr=2e-3, epochs=1, adam_eps=1e-4, dtype="float64")
+        # Plans with chunk 4 put forks before, on and after chunk boundaries.
+        self.defaults = dict(steps=100, lr=2e-3, epochs=1, adam_eps=1e-4, dtype="float64", chunk_size=4)
 
     def digit(self, value: int) -> int:
         return FIRST_DIGIT + value % self.modulus

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import io
-import json
 import logging
 import math
 import os
@@ -24,19 +22,25 @@ import attrs
 import numpy as np
 import torch
 
-from harts.options import MAX_CAPACITY, MAX_CHUNK_SIZE
+from harts._version import __version__
+from harts.errors import OutputError
+from harts.options import DEFAULT_OPTIONS, MAX_CAPACITY, MAX_CHUNK_SIZE
 from harts.train.config import MAX_SEED, OptionRule, TrainConfig, TrainingError, option_problem
 from harts.train.distributed import init_from_environment, wrap_model
 from harts.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CLI_TRAIN_DEFAULTS", "RunOptions", "TrainingRun", "build_model", "load_options", "make_optimizer", "run_training",
-           "save_weights", "training_advantages"]
+__all__ = ["CLI_TRAIN_DEFAULTS", "MetricsFile", "RunOptions", "TrainingRun", "build_model", "check_run_outputs", "load_options",
+           "make_optimizer", "run_training", "save_weights", "training_advantages"]
 
 #: Where ``harts train`` departs from :class:`TrainConfig`'s defaults: a GRPO loop as RL
 #: trainers run it (two epochs per batch, KL to the initial policy, expert-bias balancing).
 CLI_TRAIN_DEFAULTS: dict[str, Any] = {"epochs": 2, "kl_coef": 1e-3, "expert_bias_rate": 1e-3}
+
+
+#: torch.set_float32_matmul_precision's settings.
+MATMUL_PRECISIONS = ("highest", "high", "medium")
 
 
 def _text(optional: bool = True, choices: tuple[str, ...] | None = None) -> OptionRule:
@@ -68,12 +72,15 @@ class RunOptions:
     dtype: str | None = attrs.field(default=None, validator=_text())
     seed: int = attrs.field(default=0, validator=OptionRule("int", minimum=0, maximum=MAX_SEED))
     capacity: int = attrs.field(default=65536, validator=OptionRule("int", minimum=1, maximum=MAX_CAPACITY))
-    chunk_size: int | None = attrs.field(default=None, validator=OptionRule("int", minimum=1, maximum=MAX_CHUNK_SIZE, optional=True))
+    chunk_size: int = attrs.field(default=DEFAULT_OPTIONS.chunk_size,
+                                  validator=OptionRule("int", minimum=1, maximum=MAX_CHUNK_SIZE))  # the plan's B
     dp: int | None = attrs.field(default=None, validator=OptionRule("int", minimum=1, optional=True))
     parallel: str = attrs.field(default="ddp", validator=_text(optional=False, choices=("ddp", "fsdp")))
     metrics: str | os.PathLike | None = attrs.field(default=None, validator=_path)
     plot: str | os.PathLike | None = attrs.field(default=None, validator=_path)
     save: str | os.PathLike | None = attrs.field(default=None, validator=_path)
+    # torch.set_float32_matmul_precision for the run; None: "high" (TF32) on CUDA, "highest" elsewhere
+    matmul_precision: str | None = attrs.field(default=None, validator=_text(choices=MATMUL_PRECISIONS))
     train: TrainConfig = attrs.field(factory=lambda: TrainConfig(**CLI_TRAIN_DEFAULTS))
 
 
@@ -228,13 +235,11 @@ def build_model(options: RunOptions, batch, device: torch.device | str = "cpu"):
     if options.hf is not None:
         from harts.models import from_hf
 
-        model = from_hf(options.hf, chunk_size=options.chunk_size or 64, dtype=options.dtype)
+        model = from_hf(options.hf, dtype=options.dtype)
     else:
         overrides = dict(options.model)
         if options.dtype is not None:
             overrides["dtype"] = options.dtype
-        if options.chunk_size is not None:
-            overrides["chunk_size"] = options.chunk_size
         if "vocab_size" not in overrides:
             from harts.runtime.config import PRESETS
 
@@ -256,16 +261,25 @@ def _full_state_dict(model) -> dict[str, torch.Tensor]:
     return state
 
 
-def save_weights(model, path: str | os.PathLike, *, rank: int = 0) -> Path | None:
-    """Write the model's weights as safetensors (atomically, rank 0; every rank must call under FSDP2)."""
+def save_weights(model, path: str | os.PathLike, *, rank: int = 0, option: str | None = None) -> Path | None:
+    """Write the model's weights as safetensors (atomically, rank 0; every rank must call under FSDP2).
+
+    ``path`` must be new or weights HARTS wrote (:data:`harts.fsio.WEIGHTS`, marked in the file's
+    metadata); anything else raises :class:`~harts.errors.OutputError` and is left untouched.
+    """
     from safetensors.torch import save
 
-    from harts.fsio import atomic_write_bytes
+    from harts.fsio import ARTIFACT_KEY, WEIGHTS, atomic_write_bytes, check_output
 
-    state = _full_state_dict(model)
+    state = _full_state_dict(model)  # a collective under FSDP2: every rank gets here before rank 0 may refuse
     if rank != 0:
         return None
-    return atomic_write_bytes(path, save(state, metadata={"format": "pt"}))
+    check_output(path, WEIGHTS, option=option)
+    data = save(state, metadata={"format": "pt", ARTIFACT_KEY: "weights", "harts_version": __version__})
+    try:
+        return atomic_write_bytes(path, data)
+    except OSError as error:
+        raise OutputError(f"{option or 'cannot write the weights to'} {path}: {error.strerror or error}") from error
 
 
 def _json_ready(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -274,20 +288,36 @@ def _json_ready(record: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class MetricsFile:
-    """Appends one JSON object per optimizer step to a ``.jsonl`` file, flushed line by line."""
+    """Appends one JSON object per optimizer step to a ``.jsonl`` file, each record whole or not at all.
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    The file must be new or one HARTS appended to (every record carries the
+    :data:`harts.fsio.METRICS_MARKER` key); see :class:`harts.fsio.RecordAppender`.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, option: str | None = None) -> None:
+        from harts.fsio import METRICS, RecordAppender
+
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._handle: io.TextIOBase = open(self.path, "a", encoding="utf-8")
+        self._appender = RecordAppender(self.path, METRICS, option=option)
 
     def write(self, record: Mapping[str, Any]) -> None:
-        self._handle.write(json.dumps(_json_ready(record), sort_keys=True) + "\n")
-        self._handle.flush()
-        os.fsync(self._handle.fileno())
+        from harts.fsio import metrics_line
+
+        self._appender.append(metrics_line(_json_ready(record)))
 
     def close(self) -> None:
-        self._handle.close()
+        self._appender.close()
+
+
+def check_run_outputs(options: RunOptions, *, config: str | os.PathLike | None = None) -> None:
+    """Apply the output-ownership rule (:func:`harts.fsio.check_outputs`) to a run's --metrics, --plot and --save,
+    before any work: each must be new or HARTS's own of its kind, apart from the others and from the run's inputs."""
+    from harts.fsio import METRICS, PNG, WEIGHTS, check_outputs
+    from harts.rollouts.inputs import input_path
+
+    inputs = [None if options.input is None else input_path(options.input), options.hf, config]
+    check_outputs([("--metrics", options.metrics, METRICS), ("--plot", options.plot, PNG), ("--save", options.save, WEIGHTS)],
+                  inputs)
 
 
 @contextlib.contextmanager
@@ -340,8 +370,14 @@ def run_training(options: RunOptions, *, console=None, progress: bool = True) ->
         raise TrainingError("no rollout batch: give INPUT (a node table or a preset), 'input' in the config, or --task NAME")
     if options.parallel not in ("ddp", "fsdp"):
         raise TrainingError(f"option --parallel must be 'ddp' or 'fsdp', got {options.parallel!r}")
+    check_run_outputs(options)
     group, device, created = init_from_environment()
     metrics_file = None
+    previous_precision = torch.get_float32_matmul_precision()
+    # The log-prob head forms its [rows, vocab] logits in fp32 (exact normalisers); at "highest" those
+    # GEMMs take about half of a bf16 training pass on an H200. TF32 is what bf16 stacks run, and
+    # what `harts-bench` times, so the loop a user runs matches the benchmark's pass.
+    torch.set_float32_matmul_precision(options.matmul_precision or ("high" if device.type == "cuda" else "highest"))
     try:
         batch = resolve_input(options.input)
         advantages = training_advantages(batch)
@@ -351,13 +387,13 @@ def run_training(options: RunOptions, *, console=None, progress: bool = True) ->
         if options.train.kl_coef:
             reference = copy.deepcopy(model).requires_grad_(False)
         dp_size = options.dp or group.world_size
-        plan = compile_batch(batch, capacity=options.capacity, dp_size=dp_size, chunk_size=model.config.chunk_size,
+        plan = compile_batch(batch, capacity=options.capacity, dp_size=dp_size, chunk_size=options.chunk_size,
                              progress=progress and group.rank == 0)
         wrapped = wrap_model(model, options.parallel, device) if group.distributed else model
         optimizer = make_optimizer(wrapped, options)
         trainer = Trainer(wrapped, optimizer, options.train, reference_model=reference)
         if options.metrics is not None and group.rank == 0:
-            metrics_file = MetricsFile(options.metrics)
+            metrics_file = MetricsFile(options.metrics, option="--metrics")
         records: list[dict[str, Any]] = []
         logger.info("training %s on %s: %d step(s) of %d epoch(s), mode %s, %d rank(s)", description, options.input,
                     options.steps, options.train.epochs, options.train.mode, group.world_size)
@@ -377,11 +413,13 @@ def run_training(options: RunOptions, *, console=None, progress: bool = True) ->
         if options.plot is not None and group.rank == 0:
             from harts.train.plot import plot_metrics
 
-            plot_metrics(records, options.plot, title=f"harts train {options.input}: {description}, {options.train.mode}")
+            plot_metrics(records, options.plot, title=f"harts train {options.input}: {description}, {options.train.mode}",
+                         option="--plot")
         if options.save is not None:
-            save_weights(wrapped, options.save, rank=group.rank)
+            save_weights(wrapped, options.save, rank=group.rank, option="--save")
         return TrainingRun(tuple(records), dict(plan.stats), description, group.world_size, group.rank)
     finally:
+        torch.set_float32_matmul_precision(previous_precision)
         if metrics_file is not None:
             metrics_file.close()
         if created:

@@ -102,7 +102,7 @@ def checkpoint(tmp_path_factory):
 
     hf_config = qwen3_next_config()
     hf_config.dtype = torch.float32
-    return save_pretrained(from_hf(hf_config, chunk_size=4), tmp_path_factory.mktemp("hf") / "checkpoint")
+    return save_pretrained(from_hf(hf_config), tmp_path_factory.mktemp("hf") / "checkpoint")
 
 
 def copy_checkpoint(source, target):

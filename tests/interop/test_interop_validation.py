@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from harts.errors import RolloutInputError
 from harts.interop import from_areal, from_trl, from_verl, layout_spec
-from harts.interop.layouts import LayoutError
+from harts.interop.framework_layouts import LayoutError
 from tests.helpers import areal_packed, areal_padded, areal_rows, fixed_episodes, trl_batch, verl_batch
 
 EPISODES = fixed_episodes()

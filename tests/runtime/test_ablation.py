@@ -50,7 +50,7 @@ def test_no_replay_is_exact_in_float64_and_changes_only_rounding_in_float32(line
     depths = {i: handoff_depths(cuts[i], lengths[i]) for i in range(len(batch))}
     for dtype, exact in ((torch.float64, True), (torch.float32, False)):
         torch.manual_seed(0)
-        model = HybridModel(HybridConfig.preset("tiny", vocab_size=50, chunk_size=CHUNK, linear=linear, dtype=str(dtype).split(".")[1]))
+        model = HybridModel(HybridConfig.preset("tiny", vocab_size=50, linear=linear, dtype=str(dtype).split(".")[1]))
         reference = hidden(model, batch, BaselineView(lengths, CHUNK))
         no_replay = hidden(model, batch, NoReplayView(lengths, cuts, CHUNK))
         by_depth = divergence_by_depth(model, reference, no_replay, batch.tokens, depths, max_depth=3)
@@ -78,7 +78,7 @@ def test_replay_and_no_replay_match_the_baseline_within_float32_rounding():
     trie = plan.module.trie
     lengths = [len(t) for t in batch.tokens]
     torch.manual_seed(1)
-    model = HybridModel(HybridConfig.preset("tiny", vocab_size=50, chunk_size=CHUNK, dtype="float32"))
+    model = HybridModel(HybridConfig.preset("tiny", vocab_size=50, dtype="float32"))
     baseline = log_probs_baseline(model, batch, microbatches=plan).packed
     replay = harts.runtime.log_probs(model, plan, batch).packed
     ids = torch.as_tensor(np.concatenate(batch.tokens), dtype=torch.long)

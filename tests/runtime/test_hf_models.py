@@ -60,10 +60,8 @@ def hf_model(architecture: str, dtype: torch.dtype = torch.float64, slow_decay: 
 
 
 @functools.lru_cache(maxsize=None)
-def harts_model(
-    architecture: str, dtype: torch.dtype = torch.float64, chunk_size: int = CHUNK, slow_decay: bool | None = None
-) -> HybridModel:
-    return from_hf(hf_model(architecture, dtype, slow_decay), chunk_size=chunk_size)
+def harts_model(architecture: str, dtype: torch.dtype = torch.float64, slow_decay: bool | None = None) -> HybridModel:
+    return from_hf(hf_model(architecture, dtype, slow_decay))
 
 
 def gradients(parameters: dict[str, torch.nn.Parameter], loss: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -80,8 +78,8 @@ def compare_with_transformers(architecture, trajectories, *, chunk_size=CHUNK, d
     The loss is a random per-token weighting of the log-probs; transformers runs each
     trajectory on its own and its gradients are summed over trajectories.
     """
-    model, reference = harts_model(architecture, chunk_size=chunk_size), hf_model(architecture)
-    out, plan = harts_log_probs(model, trajectories, dp_size=dp_size, capacity=capacity)
+    model, reference = harts_model(architecture), hf_model(architecture)
+    out, plan = harts_log_probs(model, trajectories, chunk_size=chunk_size, dp_size=dp_size, capacity=capacity)
     assert plan.module.chunk_size == chunk_size
     want = reference_log_probs(reference, trajectories)
     diff = max_log_prob_diff(out.log_probs, want)
@@ -163,8 +161,11 @@ def test_float64_trees_at_chunk_boundaries_match_transformers(architecture):
 
 @pytest.mark.parametrize("architecture", ["qwen3_next", "kimi_linear"])
 def test_float64_at_transformers_chunk_size_64(architecture):
-    """The chunk size of the transformers torch kernels (from_hf's default): forks at 63, 64, 65 and 128."""
-    assert from_hf(hf_model(architecture)).config.chunk_size == 64
+    """The chunk size of the transformers torch kernels (the compiler's default): forks at 63, 64, 65 and 128.
+
+    The chunk size is the plan's alone: from_hf refuses one."""
+    with pytest.raises(HFModelError, match="chunk_size is not a model setting"):
+        from_hf(hf_model(architecture), chunk_size=64)
     diff, grad_rel = compare_with_transformers(architecture, boundary_trees(64), chunk_size=64, dp_size=2, capacity=300)
     print(f"{architecture} float64 B=64: max |dlogp| {diff:.2e}, max grad rel {grad_rel:.2e}")
     assert diff <= 1e-8
@@ -282,7 +283,7 @@ def test_state_dict_round_trip_is_exact(architecture, overrides, dtype):
 @pytest.mark.parametrize(("architecture", "overrides"), ROUND_TRIP_CASES)
 def test_exported_weights_load_into_transformers_and_compute_the_same(architecture, overrides):
     torch.manual_seed(5)
-    model = from_hf(_build(architecture, **overrides).double(), chunk_size=8)
+    model = from_hf(_build(architecture, **overrides).double())
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(0.1 * torch.randn_like(parameter))  # a HARTS-side update, e.g. a training step
@@ -300,7 +301,7 @@ def test_exported_weights_load_into_transformers_and_compute_the_same(architectu
 def test_config_mapping(architecture):
     reference = hf_model(architecture)
     config = harts_model(architecture).config
-    assert config.dtype == "float64" and config.chunk_size == CHUNK
+    assert config.dtype == "float64" and not hasattr(config, "chunk_size")
     assert config.layer_types == ("linear", "full", "linear") and config.mlp_layer_types == ("dense", "moe", "moe")
     assert config.rms_norm_eps == reference.config.rms_norm_eps
     if architecture == "qwen3_next":
@@ -317,7 +318,7 @@ def test_config_mapping(architecture):
         assert config.moe_expert_bias and not config.shared_expert_gate and config.mla_latent_norm_eps == 1e-6
         assert config.q_lora_rank == 12 and config.shared_expert_intermediate_size == 16
     # the transformers config written back describes the same model
-    assert hybrid_config_from_hf(to_hf_config(config), chunk_size=CHUNK) == config
+    assert hybrid_config_from_hf(to_hf_config(config)) == config
 
 
 def _inverse_softplus(y: float) -> float:
@@ -360,12 +361,12 @@ def test_from_config_initialises_like_transformers(architecture):
 def test_loads_from_a_local_directory(tmp_path):
     reference = hf_model("kimi_linear")
     reference.save_pretrained(tmp_path / "kimi", safe_serialization=True)
-    loaded = from_hf(tmp_path / "kimi", chunk_size=CHUNK)
+    loaded = from_hf(tmp_path / "kimi")
     exported = to_hf_state_dict(loaded)
     for key, tensor in reference.state_dict().items():
         assert torch.equal(exported[key], tensor), key
     reference.config.save_pretrained(tmp_path / "config-only")
-    fresh = from_hf(str(tmp_path / "config-only"), dtype=torch.float32, chunk_size=CHUNK)
+    fresh = from_hf(str(tmp_path / "config-only"), dtype=torch.float32)
     assert fresh.config == attrs.evolve(loaded.config, dtype="float32")
     with pytest.raises(HFModelError, match="not a local directory"):
         from_hf(tmp_path / "missing")

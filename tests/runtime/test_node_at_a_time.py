@@ -37,7 +37,7 @@ FLOAT32_ROUNDING = 2e-5
 @functools.cache
 def tiny_model(linear: str = "kda", dtype: str = "float64") -> HybridModel:
     torch.manual_seed(0)
-    return HybridModel(HybridConfig.preset("tiny", vocab_size=VOCAB, chunk_size=CHUNK, linear=linear, dtype=dtype))
+    return HybridModel(HybridConfig.preset("tiny", vocab_size=VOCAB, linear=linear, dtype=dtype))
 
 
 def compile_plan(trajectories, fraction: float = 1.0):
@@ -217,7 +217,7 @@ def test_gpu_fast_kernels_match_the_reference_node_at_a_time():
     plan = harts.compile(batch, capacity=65536, chunk_size=chunk)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = HybridModel(HybridConfig.preset("tiny", vocab_size=VOCAB, chunk_size=chunk, dtype="float32"))
+        model = HybridModel(HybridConfig.preset("tiny", vocab_size=VOCAB, dtype="float32"))
     results = {}
     for mode in ("naive", "fast"):
         log_probs = harts.runtime.log_probs(model, plan, batch, recompute=True, kernels=Dispatch(mode),
