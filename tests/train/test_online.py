@@ -130,7 +130,7 @@ def test_train_task_command(tmp_path):
 @pytest.mark.parametrize("arguments, message", [
     (["train", "demo", "--mode", "both"], "give --task"),
     (["train", "--task", "sorting"], "unknown task 'sorting'"),
-    (["train", "--task", "count:prompts=0"], "prompts must be an int in [1, 1024]"),
+    (["train", "--task", "count:prompts=0"], "prompts must be an int in [1, 1024], got 0"),
     (["train", "--task", "count:branches=3"], "task 'count': unknown option 'branches=3'"),
     (["train", "demo", "--task", "count"], "drop INPUT"),
     (["train", "--task", "count", "--mode", "both", "--save", "w.safetensors"], "single --mode"),
