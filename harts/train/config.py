@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import attrs
@@ -38,7 +39,7 @@ class OptionRule:
     :meth:`problem` first so that its message names the file and key or the flag instead.
     """
 
-    kind: str  # "int", "number", "bool" or "text"
+    kind: str  # "int", "number", "bool", "text" or "path" (a string or an os.PathLike)
     minimum: float | None = None  # inclusive
     above: float | None = None  # exclusive lower bound
     maximum: float | None = None  # inclusive
@@ -54,6 +55,10 @@ class OptionRule:
                 return None
             quoted = " (a quoted string: write true or false without quotes)" if isinstance(value, str) else ""
             return f"must be true or false, got {value!r}{quoted}"
+        if self.kind == "path":
+            if not isinstance(value, (str, os.PathLike)):
+                return f"must be a path, got {value!r} ({type(value).__name__})"
+            return None
         if self.kind == "text":
             if not isinstance(value, str):
                 return f"must be a string, got {value!r} ({type(value).__name__})"
@@ -106,8 +111,13 @@ class TrainConfig:
             batch, so the loss is the same whatever the microbatching and DP degree.
         clip_eps, clip_eps_high, dual_clip, kl_coef: as in :func:`harts.rl.policy_loss`.
         entropy_coef: subtracts ``entropy_coef * entropy`` (reduced like the loss).
-        temperature: logits are divided by it before every log-softmax (old, reference, current).
-        max_grad_norm: clip the global gradient norm to it (None: measure only).
+        temperature: logits are divided by it before every log-softmax (old, reference, current);
+            at least :data:`MIN_TEMPERATURE`.
+        max_grad_norm: clip the global gradient norm to it, > 0 (None: measure only).
+
+    Every field is checked by type and range when the config is built (:class:`OptionRule`): numbers
+    finite, booleans real booleans (a YAML ``'false'`` is a string and is refused), so that a bad value
+    fails here, naming the field, and never as a NaN step later.
         z_loss_coef, aux_loss_coef: router z-loss and load-balancing loss weights (MoE; q-weighted).
         expert_bias_rate: auxiliary-loss-free expert-bias step after each optimizer step (0: off).
         recompute: full-layer activation recomputation in the training passes.

@@ -47,6 +47,9 @@ def _text(optional: bool = True, choices: tuple[str, ...] | None = None) -> Opti
     return OptionRule("text", optional=optional, choices=choices)
 
 
+_path = OptionRule("path", optional=True)
+
+
 def _mapping(instance, attribute, value) -> None:
     if not isinstance(value, Mapping):
         raise TrainingError(f"{type(instance).__name__}.{attribute.name} must be a mapping of model config fields, got {value!r}")
@@ -56,11 +59,11 @@ def _mapping(instance, attribute, value) -> None:
 class RunOptions:
     """Everything ``harts train`` needs; ``train`` holds the step's :class:`TrainConfig`."""
 
-    input: str | None = attrs.field(default=None, validator=_text())
+    input: str | os.PathLike | None = attrs.field(default=None, validator=_path)
     task: str | None = attrs.field(default=None, validator=_text())  # an online RL task (harts.tasks): see harts.train.online
     both_modes: bool = attrs.field(default=False, validator=OptionRule("bool"))  # --mode both (tasks only)
     preset: str = attrs.field(default="tiny", validator=_text(optional=False))
-    hf: str | None = attrs.field(default=None, validator=_text())
+    hf: str | os.PathLike | None = attrs.field(default=None, validator=_path)
     model: Mapping[str, Any] = attrs.field(factory=dict, validator=_mapping)  # preset overrides, e.g. {"num_layers": 2}
     steps: int = attrs.field(default=3, validator=OptionRule("int", minimum=1))
     lr: float = attrs.field(default=1e-4, validator=OptionRule("number", above=0.0))
@@ -75,9 +78,9 @@ class RunOptions:
     parallel: str = attrs.field(default="ddp", validator=_text(optional=False, choices=("ddp", "fsdp")))
     tp: int = attrs.field(default=1, validator=OptionRule("int", minimum=1))  # tensor parallel on megatron-core (harts.parallel)
     ep: int = attrs.field(default=1, validator=OptionRule("int", minimum=1))
-    metrics: str | None = attrs.field(default=None, validator=_text())
-    plot: str | None = attrs.field(default=None, validator=_text())
-    save: str | None = attrs.field(default=None, validator=_text())
+    metrics: str | os.PathLike | None = attrs.field(default=None, validator=_path)
+    plot: str | os.PathLike | None = attrs.field(default=None, validator=_path)
+    save: str | os.PathLike | None = attrs.field(default=None, validator=_path)
     # torch.set_float32_matmul_precision for the run; None: "high" (TF32) on CUDA, "highest" elsewhere
     matmul_precision: str | None = attrs.field(default=None, validator=_text(choices=MATMUL_PRECISIONS))
     train: TrainConfig = attrs.field(factory=lambda: TrainConfig(**CLI_TRAIN_DEFAULTS))
