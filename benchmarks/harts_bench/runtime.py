@@ -227,7 +227,7 @@ def _lowered_to_compression(batch, args, config: HybridConfig):
     """Whole trees rarely share less than about 3.5x: below that, lower the chosen trees' sharing to
     ``--target-compression`` (``with_compression``), measured as the compression planned at ``--capacity``."""
     def planned(candidate) -> float:
-        return harts.compile(candidate, capacity=args.capacity, chunk_size=config.chunk_size, verify=False).stats["compression"]
+        return harts.compile(candidate, capacity=args.capacity, chunk_size=args.chunk_size, verify=False).stats["compression"]
 
     if planned(batch) <= args.target_compression * 1.01:
         return batch

@@ -39,7 +39,10 @@ def test_tp2_on_one_gpu_over_gloo_equals_one_process(tmp_path):
     torchrun(2, str(REPO / "tests" / "parallel" / "tp_worker.py"), "2", str(tmp_path), str(tmp_path / "ckpt.safetensors"),
              env={"TP_WORKER_DEVICE": "cuda:0"})
     report = json.loads((tmp_path / "report.json").read_text())
-    tolerance = 1e-4  # float32 round-off of reductions split over two ranks
+    # float32 round-off, relative to scale (tp_worker.largest): one float32 execution of the vocab-parallel
+    # cases is already 5.5e-5 from float64 (measured on CPU), and two executions that split their
+    # reductions differently differ by up to about twice that
+    tolerance = 5e-4
     assert max(report["vocab_parallel"].values()) < tolerance
     for key, found in report.items():
         if "/" in key:
