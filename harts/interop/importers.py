@@ -83,12 +83,37 @@ def _array(value: Any, where: str) -> np.ndarray:
     raise RolloutInputError(f"{where}: unsupported value of type {type(value).__name__}")
 
 
-def _columns(d: Mapping[str, Any], framework: str, ignore: Iterable[str]) -> dict[str, np.ndarray]:
-    if not isinstance(d, Mapping):
-        raise RolloutInputError(f"{framework} batch: expected a dict of tensors, got {type(d).__name__}")
+def _items(d: Any, framework: str) -> dict[str, Any]:
+    """The entries of a dict, a ``TensorDict`` or a verl ``DataProto`` (its ``batch`` and ``non_tensor_batch``).
+
+    A ``TensorDict``'s ``NonTensorData`` entries are batch-level metadata (verl's ``temperature``,
+    ``max_seq_len``, ...) and are left out; its ``NonTensorStack`` entries are per trajectory.
+    Duck-typed: neither verl nor tensordict is imported.
+    """
+    if hasattr(d, "non_tensor_batch") and hasattr(d, "batch") and hasattr(d, "meta_info"):  # verl DataProto
+        items = {} if d.batch is None else _items(d.batch, framework)
+        items.update(d.non_tensor_batch or {})
+        return items
+    if hasattr(d, "batch_size") and hasattr(d, "items") and hasattr(d, "keys"):  # TensorDict (before Mapping: it is one)
+        items = {}
+        for key, value in d.items():
+            kind = type(value).__name__
+            if kind == "NonTensorData":
+                logger.info("%s batch: key '%s' is batch-level metadata, not per trajectory; left out", framework, key)
+            elif kind == "NonTensorStack":
+                items[key] = value.tolist()
+            else:
+                items[key] = value
+        return items
+    if isinstance(d, Mapping):
+        return dict(d)
+    raise RolloutInputError(f"{framework} batch: expected a dict of tensors, a TensorDict or a DataProto, got {type(d).__name__}")
+
+
+def _columns(d: Any, framework: str, ignore: Iterable[str]) -> dict[str, np.ndarray]:
     skipped = set(ignore)
     out = {}
-    for key, value in d.items():
+    for key, value in _items(d, framework).items():
         if key in skipped or value is None:
             continue
         array = _array(value, f"{framework} batch, key '{key}'")
@@ -205,10 +230,83 @@ _VERL_RENAMES = {"ref_log_prob": "ref_log_probs", "rollout_log_probs": ROLLOUT_L
 _VERL_STRUCTURE = {"input_ids", "attention_mask", "position_ids", "responses", "prompts", "response_mask", "loss_mask", ROUTED_EXPERTS}
 
 
-def from_verl(d: Mapping[str, Any], *, ignore: Iterable[str] = ()) -> RolloutBatch:
-    """A batch from verl's padded ``DataProto.batch`` (see the module docstring); ``ignore`` names keys to leave out."""
+def _ragged(array: np.ndarray) -> bool:
+    """True for a list of per-trajectory rows (a nested tensor's rows), not of strings."""
+    return array.dtype == object and array.ndim == 1 and not any(isinstance(v, (str, bytes)) for v in array)
+
+
+def _padded_rows(rows: list[np.ndarray], width: int, left: bool) -> np.ndarray:
+    """Rows of different lengths, left- or right-padded with 0 to ``width`` columns."""
+    trailing, dtype = (rows[0].shape[1:], rows[0].dtype) if rows else ((), np.int64)
+    out = np.zeros((len(rows), width, *trailing), dtype=dtype)
+    for b, row in enumerate(rows):
+        if left:
+            out[b, width - len(row) :] = row
+        else:
+            out[b, : len(row)] = row
+    return out
+
+
+def _verl_attention(columns: dict[str, np.ndarray]) -> np.ndarray:
+    """The [B, P + R] attention mask of a batch without one: from its nested ``prompts`` and ``responses``."""
+    prompts, responses = columns.get("prompts"), columns.get("responses")
+    if prompts is None or responses is None or not (_ragged(prompts) and _ragged(responses)):
+        raise RolloutInputError(
+            "verl batch: nested 'input_ids' need the padded 'attention_mask' (as left_right_2_no_padding keeps it) "
+            "or nested 'prompts' and 'responses' to find each prompt/response boundary"
+        )
+    prompt_rows, response_rows = [np.asarray(r) for r in prompts], [np.asarray(r) for r in responses]
+    prompt_width = max((len(r) for r in prompt_rows), default=0)
+    width = max((len(r) for r in response_rows), default=0)
+    columns["prompts"] = _padded_rows(prompt_rows, prompt_width, left=True)
+    columns["responses"] = _padded_rows(response_rows, width, left=False)
+    ones = [np.ones(len(r), np.int64) for r in prompt_rows], [np.ones(len(r), np.int64) for r in response_rows]
+    return np.concatenate([_padded_rows(ones[0], prompt_width, left=True), _padded_rows(ones[1], width, left=False)], axis=1)
+
+
+def _verl_padded(columns: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """verl's worker-side batch (nested ``input_ids`` / ``position_ids`` / ... as its engines receive it,
+    ``verl/workers/utils/padding.py``: ``left_right_2_no_padding``) scattered back into the padded form.
+
+    A nested row of ``len_i`` entries fills the valid columns of ``attention_mask`` (the tokens
+    ``unpad_input`` took them from); a nested row of ``R_i`` entries is a right-padded response field.
+    """
+    if "input_ids" not in columns or not _ragged(columns["input_ids"]):
+        return columns
+    columns = dict(columns)
+    attention = columns["attention_mask"] if "attention_mask" in columns else _verl_attention(columns)
+    columns["attention_mask"] = attention
+    valid = attention.astype(bool)
+    responses = columns.get("responses")
+    if responses is None or _ragged(responses):
+        raise RolloutInputError("verl batch: nested 'input_ids' need 'responses' beside them")
+    prompt_width = attention.shape[1] - responses.shape[1]
+    response_lengths = valid[:, prompt_width:].sum(axis=1)
+    for key, array in list(columns.items()):
+        if not _ragged(array) or key == "attention_mask":
+            continue
+        rows = [np.asarray(row) for row in array]
+        if len(rows) != len(valid):
+            raise RolloutInputError(f"verl batch, key '{key}': {len(rows)} nested rows for {len(valid)} trajectories")
+        if all(len(row) == int(v.sum()) for row, v in zip(rows, valid)):
+            dense = np.zeros((len(rows), valid.shape[1], *rows[0].shape[1:]), dtype=rows[0].dtype)
+            for b, row in enumerate(rows):
+                dense[b, valid[b]] = row
+        elif all(len(row) == int(n) for row, n in zip(rows, response_lengths)):
+            dense = _padded_rows(rows, responses.shape[1], left=False)
+        else:
+            raise RolloutInputError(
+                f"verl batch, key '{key}': nested rows match neither each trajectory's tokens nor its response"
+            )
+        columns[key] = dense
+    return columns
+
+
+def from_verl(d: Any, *, ignore: Iterable[str] = ()) -> RolloutBatch:
+    """A batch from verl: a padded ``DataProto`` (or its ``batch``), or the nested ``TensorDict`` its engine
+    workers receive (see the module docstring); ``ignore`` names keys to leave out."""
     framework = "verl"
-    columns = _columns(d, framework, ignore)
+    columns = _verl_padded(_columns(d, framework, ignore))
     input_ids = _token_ids(_require(columns, "input_ids", framework), "input_ids", framework)
     attention = _require(columns, "attention_mask", framework)
     responses = _token_ids(_require(columns, "responses", framework), "responses", framework)
