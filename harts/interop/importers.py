@@ -16,33 +16,37 @@ tensors, numpy arrays or lists; 0-d entries (batch-level counts such as TRL's
 (``[B, S, layers, top_k]`` over the full sequence, as verl's router replay records them)
 becomes the batch's routed experts (:attr:`RolloutBatch.routed_experts`).
 
-verl (``DataProto.batch``; ``verl/experimental/agent_loop``, ``verl/workers/actor/dp_actor.py``):
+verl (a ``DataProto``, its ``batch`` ``TensorDict``, or a dict; ``verl/trainer/ppo/ray_trainer.py``,
+``verl/experimental/agent_loop``):
     ``input_ids`` / ``attention_mask`` / ``position_ids`` ``[B, P + R]``: the left-padded prompt
     then the right-padded response; ``responses`` ``[B, R]``; ``response_mask`` ``[B, R]`` (1 for
     LLM tokens, 0 for tool observations and padding; older multi-turn verl calls it
     ``loss_mask``); ``old_log_probs``, ``ref_log_prob``, ``rollout_log_probs``, ``advantages``,
     ``returns``, ... ``[B, R]`` label-aligned with ``responses``; ``[B]`` entries (``uid``, scores)
-    are per trajectory.
+    are per trajectory. The worker-side form that verl's engines receive
+    (``left_right_2_no_padding``, ``verl/workers/utils/padding.py``) holds nested ``input_ids`` /
+    ``position_ids`` ``[B, len_i]`` beside the padded ``attention_mask``; nested fields are placed
+    back by it (or, without one, by nested ``prompts`` and ``responses``).
 TRL (``GRPOTrainer._generate_and_score_completions``):
     ``prompt_ids`` / ``prompt_mask`` ``[B, P]`` left-padded, ``completion_ids`` /
     ``completion_mask`` ``[B, C]`` right-padded (the mask ends at the first EOS), ``tool_mask``
     ``[B, C]`` (0 on tool tokens), ``advantages`` ``[B]`` (or ``[B, C]``), ``old_per_token_logps``,
     ``ref_per_token_logps``, ``sampling_per_token_logps`` ``[B, C]``.
-AReaL (workflow output, ``areal/engine/ppo/actor.py``, ``areal/utils/data.py``):
-    padded ``input_ids`` / ``attention_mask`` (right-padded) ``[B, S]``, or packed 1-D
-    ``input_ids`` with ``cu_seqlens`` ``[B + 1]``, or one unpadded row per trajectory;
+AReaL (workflow output or ``PPOActor``'s batch, ``areal/trainer/ppo/actor.py``, ``areal/utils/data.py``):
+    AReaL 1.0.4's ``list[dict]`` (one dict per trajectory or group, right-padded), padded
+    ``input_ids`` / ``attention_mask`` (right-padded) ``[B, S]``, packed 1-D ``input_ids`` with
+    ``cu_seqlens`` ``[B + 1]`` (the engine's micro-batches), or one unpadded row per trajectory;
     ``loss_mask``, ``logprobs`` (``[0.0] * input_len + output_logprobs``), ``versions`` token
     aligned; ``prox_logp`` and ``ref_logp`` (engine outputs, gathered at ``roll(input_ids, -1)``)
     next-token aligned; ``rewards`` ``[B]``. After ``PPOActor.compute_advantages`` the batch
-    also holds ``advantages`` and has ``loss_mask`` / ``logprobs`` rolled by -1: pass
-    ``after_advantages=True`` (it is detected from a per-token ``advantages`` by default).
-    The prompt length is the position of the first ``loss_mask`` token.
+    also holds ``advantages`` and has ``loss_mask`` / ``logprobs`` rolled by -1: the caller says
+    which with ``rolled=`` (required). The prompt length is the position of the first ``loss_mask`` token.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -479,8 +483,59 @@ def _flat(array: np.ndarray, form: str, key: str, token_count: int, trailing: in
     return flat
 
 
-def from_areal(d: Mapping[str, Any], *, after_advantages: bool | None = None, ignore: Iterable[str] = ()) -> RolloutBatch:
-    """A batch from an AReaL batch: padded, packed with ``cu_seqlens``, or one row per trajectory (see the module docstring)."""
+def _areal_entry(item: Any, index: int, ignore: Iterable[str]) -> dict[str, list[Any]]:
+    """One entry of AReaL's ``list[dict]``: right-padded ``[g, S]`` tensors (or one unpadded ``[S]`` trajectory)."""
+    skipped = set(ignore)
+    columns = {key: _array(value, f"areal batch, entry {index}, key '{key}'")
+               for key, value in _items(item, "areal").items() if key not in skipped and value is not None}
+    ids = _require(columns, "input_ids", "areal")
+    if ids.ndim == 1:  # one trajectory: its per-token values are [S], its scalars belong to it
+        columns = {key: (array[None] if array.ndim >= 1 and len(array) == len(ids) else array.reshape(1, *array.shape))
+                   for key, array in columns.items()}
+        ids = columns["input_ids"]
+    attention = columns.pop("attention_mask", np.ones_like(ids))
+    _check_shape(attention, ids.shape, "attention_mask", "areal")
+    lengths = [_run(attention[g], left=False, where=f"areal batch, entry {index}, row {g}: attention_mask") for g in range(len(ids))]
+    rows: dict[str, list[Any]] = {}
+    for key, array in columns.items():
+        if array.ndim >= 2 and array.shape[:2] == ids.shape:
+            rows[key] = [array[g, :n] for g, n in enumerate(lengths)]
+        elif array.ndim >= 1 and len(array) == len(ids):
+            rows[key] = list(array)
+        else:
+            raise RolloutInputError(f"areal batch, entry {index}, key '{key}': shape {list(array.shape)} fits neither its tokens nor its rows")
+    return rows
+
+
+def _areal_list(items: Sequence[Any], ignore: Iterable[str]) -> dict[str, np.ndarray]:
+    """AReaL 1.0.4's ``list[dict]`` batch (one dict per trajectory or group, as ``concat_batch`` in
+    ``areal/utils/data.py`` takes it) as one unpadded row per trajectory."""
+    if not items:
+        raise RolloutInputError("areal batch: an empty list")
+    rows: dict[str, list[Any]] = {}
+    for index, item in enumerate(items):
+        entry = _areal_entry(item, index, ignore)
+        if rows and set(entry) != set(rows):
+            differ = ", ".join(sorted(set(entry) ^ set(rows)))
+            raise RolloutInputError(f"areal batch, entry {index}: keys differ from entry 0 ({differ})")
+        for key, values in entry.items():
+            rows.setdefault(key, []).extend(values)
+    ragged = {key for key, values in rows.items() if np.ndim(values[0]) >= 1}
+    return {key: np.array(values + [None], dtype=object)[:-1] if key in ragged else np.asarray(values) for key, values in rows.items()}
+
+
+def from_areal(d: Any, *, rolled: bool, ignore: Iterable[str] = ()) -> RolloutBatch:
+    """A batch from AReaL: padded, packed with ``cu_seqlens``, one row per trajectory, or AReaL's ``list[dict]``.
+
+    ``rolled`` says whether ``PPOActor.compute_advantages`` has run on the batch (``loss_mask`` and
+    ``logprobs`` rolled by -1, ``advantages`` next-token aligned): True for what ``ppo_update`` and
+    the engine's ``train_batch`` receive, False for workflow output. It is not guessed, since
+    nothing in the batch tells a rolled ``loss_mask`` from an unrolled one. See the module docstring.
+    """
+    if not isinstance(rolled, bool):
+        raise RolloutInputError(f"from_areal: rolled= must be True or False, got {rolled!r}")
+    if isinstance(d, (list, tuple)):
+        d = _areal_list(d, ignore)
     framework = "areal"
     columns = _columns(d, framework, ignore)
     token_rows, form = _areal_rows(columns)
@@ -499,9 +554,7 @@ def from_areal(d: Mapping[str, Any], *, after_advantages: bool | None = None, ig
         flat = _flat(array, form, key, token_count)
         if flat is not None:
             per_token[key] = flat
-    if after_advantages is None:
-        after_advantages = "advantages" in per_token
-    next_token = _AREAL_NEXT_TOKEN | (_AREAL_AFTER_ADVANTAGES if after_advantages else set())
+    next_token = _AREAL_NEXT_TOKEN | (_AREAL_AFTER_ADVANTAGES if rolled else set())
     routed = columns.get(ROUTED_EXPERTS)
     flat_routed = None if routed is None else _flat(routed, form, ROUTED_EXPERTS, token_count, trailing=2)
     if "loss_mask" not in per_token:
