@@ -229,3 +229,39 @@ def test_from_verl_names_a_nested_field_that_fits_no_row():
     data["bad"] = torch.nested.as_nested_tensor([torch.zeros(3) for _ in episodes], layout=torch.jagged)
     with pytest.raises(RolloutInputError, match="'bad'"):
         worker_batch(data)
+
+
+# ------------------------------------------------------------------------- harts convert on DataProto files
+
+
+def test_convert_reads_dataproto_save_to_disk_without_running_its_pickle(tmp_path):
+    import os
+    import pickle
+
+    from typer.testing import CliRunner
+
+    import harts
+    from harts.cli import app
+
+    episodes = fixed_episodes(seed=6)
+    padded, uid = _padded(episodes)
+    proto = DataProto.from_single_dict({key: torch.as_tensor(value) for key, value in padded.items()} | {"uid": uid},
+                                       meta_info={"temperature": 1.0})
+    source = tmp_path / "batch.pkl"
+    proto.save_to_disk(source)
+    table = tmp_path / "table.jsonl"
+    result = CliRunner().invoke(app, ["convert", str(source), "--from", "verl", "-o", str(table)])
+    assert result.exit_code == 0, result.output
+    assert harts.RolloutBatch.read(table).content_hash() == from_verl(proto).content_hash()
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    hostile = tmp_path / "hostile.pkl"
+    proto.__getstate__ = lambda: (Payload(), {}, {})  # a DataProto whose state smuggles another object in
+    hostile.write_bytes(pickle.dumps(proto))
+    assert b"verl.protocol" in hostile.read_bytes()[:64]
+    result = CliRunner().invoke(app, ["convert", str(hostile), "--from", "verl", "-o", str(tmp_path / "x.jsonl")])
+    assert result.exit_code == 2 and "hostile.pkl" in result.output
+    assert not (tmp_path / "pwned").exists()
