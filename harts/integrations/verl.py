@@ -3,7 +3,7 @@
 In the actor config (Hydra overrides of ``ppo_trainer.yaml``)::
 
     actor_rollout_ref.actor.strategy=harts
-    +actor_rollout_ref.actor.fsdp_config.external_lib=harts.integrations.verl   # or import it in your entry script
+    actor_rollout_ref.model.external_lib=harts.integrations.verl   # imported on every worker: registers the engine
 
 ``import harts.integrations.verl`` registers :class:`HartsEngine` in verl's ``EngineRegistry``
 as backend ``"harts"`` of ``model_type="language_model"``, the way verl registers its FSDP

@@ -162,6 +162,22 @@ def test_harts_engine_matches_verls_engine_on_ppo_loss(architecture, loss_agg_mo
     assert ours_engine.harts_model() is ours_engine.harts_model()  # built once, refreshed per batch
 
 
+def test_infer_batch_gives_verls_old_log_probs():
+    """compute_log_prob / compute_ref_log_prob: infer_batch without a loss, the output verl pads back itself."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    model = hf_model("qwen3_next")
+    episodes = fixed_episodes(seed=7)
+    data = worker_side(model, episodes, seed=8, dynamic=False, max_tokens=60)
+    stock = engine(FSDPEngineWithLMHead, model, strategy="fsdp2").infer_batch(data.clone())
+    ours = engine(HartsEngine, model, strategy=BACKEND).infer_batch(data.clone())
+    for key in ("log_probs", "entropy"):
+        got = no_padding_2_padding(ours["model_output"][key], data)  # what the trainer stores as old_log_probs
+        want = no_padding_2_padding(stock["model_output"][key], data)
+        mask = data["response_mask"].bool()
+        assert float((got - want)[mask].abs().max()) <= 1e-4, key
+
+
 def test_engine_is_registered_as_verl_registers_engines(monkeypatch):
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cuda")
     assert EngineRegistry.get_engine_cls("language_model", BACKEND) is HartsEngine
