@@ -31,7 +31,10 @@ from harts.errors import RolloutInputError  # noqa: E402
 from harts.integrations.areal import HartsPPOActor  # noqa: E402
 from harts.interop import from_areal, to_layout  # noqa: E402
 from harts.runtime import log_probs_baseline  # noqa: E402
-from tests.helpers import areal_rows, fixed_episodes  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from tests.helpers import agent_episodes, areal_padded, areal_rows, fixed_episodes  # noqa: E402
 from tests.helpers.hf import KIMI, QWEN, _finish, kimi_linear_config, qwen3_next_config, reference_log_probs  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -205,3 +208,22 @@ def test_from_areal_reads_list_of_dicts_and_is_told_whether_it_was_rolled(tmp_pa
         from_areal(rows, rolled=None)
     with pytest.raises(RolloutInputError, match="entry 1: keys differ"):
         from_areal([rows[0], {k: v for k, v in rows[1].items() if k != "versions"}], rolled=False)
+
+
+@settings(max_examples=30, deadline=None)
+@given(episodes=agent_episodes(), group=st.integers(1, 3), rolled=st.booleans())
+def test_list_of_dicts_imports_as_the_concatenated_batch(episodes, group, rolled):
+    """AReaL's list[dict] (groups of ``group`` right-padded rows each) reads as its concat_padded_tensors."""
+    rng = np.random.default_rng(len(episodes))
+    rows = areal_rows(episodes, [rng.normal(size=len(tokens) - 1) for tokens, _, _ in episodes])
+    items = []
+    for start in range(0, len(rows), group):
+        padded = areal_padded(rows[start : start + group])
+        items.append({key: torch.as_tensor(value) for key, value in padded.items()})
+    whole = areal_padded(rows)
+    want, got = from_areal(whole, rolled=rolled), from_areal(items, rolled=rolled)
+    assert [t.tolist() for t in got.tokens] == [t.tolist() for t in want.tokens]
+    for key in want.token_fields:
+        assert all(np.array_equal(a, b) for a, b in zip(got.token_fields[key], want.token_fields[key])), key
+    assert np.array_equal(got.trajectory_fields["rewards"], want.trajectory_fields["rewards"])
+    assert np.array_equal(got.trajectory_fields["prompt_length"], want.trajectory_fields["prompt_length"])

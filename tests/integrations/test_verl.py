@@ -34,7 +34,9 @@ from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 from harts.errors import RolloutInputError  # noqa: E402
 from harts.integrations.verl import BACKEND, HartsEngine, worker_batch  # noqa: E402
 from harts.interop import from_verl  # noqa: E402
-from tests.helpers import fixed_episodes, verl_batch  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+
+from tests.helpers import agent_episodes, fixed_episodes, verl_batch  # noqa: E402
 from tests.helpers.hf import KIMI, QWEN, _finish, kimi_linear_config, qwen3_next_config, reference_log_probs  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -219,6 +221,14 @@ def test_from_verl_reads_dataproto_tensordict_and_the_worker_side_nested_batch()
     _same(from_verl(proto), want)
     _same(from_verl(proto.to_tensordict()), want)
     _same(worker_batch(left_right_2_no_padding(proto.to_tensordict())), want)
+
+
+@settings(max_examples=30, deadline=None)
+@given(episodes=agent_episodes())
+def test_the_worker_side_batch_of_any_episodes_imports_as_the_padded_one(episodes):
+    padded, uid = _padded(episodes)
+    proto = DataProto.from_single_dict({key: torch.as_tensor(value) for key, value in padded.items()} | {"uid": uid})
+    _same(worker_batch(left_right_2_no_padding(proto.to_tensordict())), from_verl(padded | {"uid": uid}))
 
 
 def test_from_verl_reads_fully_nested_prompts_and_responses():
