@@ -31,6 +31,8 @@ def hybrid_model_of(hf_model: nn.Module) -> nn.Module:
     """The HARTS model computing on ``hf_model`` (a transformers Qwen3-Next / Kimi Linear causal LM)."""
     from harts.models import from_hf
 
+    for parameter in hf_model.parameters():
+        _local(parameter)  # the copy is made of full tensors
     return from_hf(hf_model)
 
 

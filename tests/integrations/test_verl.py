@@ -90,10 +90,11 @@ def hf_model(architecture: str):
 
 
 class _ModelConfig(dict):
-    """What verl's engine constructor reads of ``HFModelConfig`` (the model itself is handed over built)."""
+    """What verl's engine reads of ``HFModelConfig`` (the model itself is handed over built)."""
 
     use_remove_padding = False
     lora_rank = 0
+    enable_activation_offload = False
 
 
 def engine(cls, model, *, strategy: str):
@@ -178,6 +179,20 @@ def test_infer_batch_gives_verls_old_log_probs():
         want = no_padding_2_padding(stock["model_output"][key], data)
         mask = data["response_mask"].bool()
         assert float((got - want)[mask].abs().max()) <= 1e-4, key
+
+
+def test_the_engine_keeps_verls_fsdp2_wrapping_and_names_what_it_cannot_run_yet():
+    import copy
+
+    from harts.integrations._common import IntegrationError
+
+    built = engine(HartsEngine, copy.deepcopy(hf_model("qwen3_next")), strategy=BACKEND)
+    object.__setattr__(built.engine_config, "mixed_precision", {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"})
+    built.module = built._build_fsdp_module(built.module)  # verl's own FSDP2 path (fully_shard), under strategy=harts
+    assert built.engine_config.strategy == BACKEND
+    assert type(next(built.module.parameters())).__name__ == "DTensor"
+    with pytest.raises(IntegrationError, match="sharded"):
+        built.harts_model()
 
 
 def test_engine_is_registered_as_verl_registers_engines(monkeypatch):
