@@ -15,7 +15,8 @@ rolled ``loss_mask``, ``logprobs``, ``advantages``, ...) and AReaL's own loss (`
 receives log-probs and entropies in the ``"areal"`` layout, next-token aligned as its engine
 gathers them at ``roll(input_ids, -1)``. Each microbatch's loss is scaled by its share of the
 batch's ``loss_weight_fn`` total times the data-parallel size, as ``FSDPEngine.train_batch`` does.
-The capacity of a microbatch is the engine's ``mb_spec.max_tokens_per_mb`` (all in one when unset).
+The capacity of a microbatch is the engine's ``mb_spec.max_tokens_per_mb``, else the batch's tokens
+over ``mb_spec.n_mbs``: never more than one of AReaL's micro-batches would hold.
 """
 
 from __future__ import annotations
@@ -67,11 +68,18 @@ class HartsPPOActor(FSDPPPOActor):
         self._hybrid.train(self.model.training)
         return self._hybrid
 
+    def _capacity(self, batch) -> int:
+        """Compact rows per microbatch: ``mb_spec.max_tokens_per_mb``, else the batch's tokens over ``mb_spec.n_mbs``."""
+        spec = self.config.mb_spec
+        if spec.max_tokens_per_mb is not None:
+            return int(spec.max_tokens_per_mb)
+        return -(-int(batch.semantic_tokens) // max(int(spec.n_mbs or 1), 1))
+
     def _microbatches(self, data: dict[str, Any], *, with_entropy: bool, grad: bool):
         """(packed micro-batch dict, log-probs, entropies) per microbatch of one plan over ``data``."""
         model = self.harts_model()
         batch = actor_batch(data)
-        plan = compile_for(batch, model, getattr(self.config.mb_spec, "max_tokens_per_mb", None))
+        plan = compile_for(batch, model, self._capacity(batch))
         for microbatch in plan.module.microbatches:
             members = list(microbatch.trajectories)
             with torch.enable_grad() if grad else torch.no_grad():

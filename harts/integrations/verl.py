@@ -58,13 +58,9 @@ __all__ = ["BACKEND", "HartsEngine", "worker_batch"]
 BACKEND = "harts"
 #: The FSDP wrapping the engine keeps from verl (for the model, optimizer and checkpoints).
 FSDP_STRATEGY = "fsdp2"
-#: verl's worker-side keys that are structure or per-batch bookkeeping, not per-trajectory data.
-_NOT_TRAJECTORY_DATA = ("indices",)
-
-
 def worker_batch(data):
     """The :class:`harts.RolloutBatch` of a batch as verl's engine workers receive it (or a padded DataProto)."""
-    return from_verl(data, ignore=_NOT_TRAJECTORY_DATA)
+    return from_verl(data)
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:
@@ -120,16 +116,19 @@ class HartsEngine(FSDPEngineWithLMHead):
         tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())
         tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
 
-    def _capacity(self, data) -> int | None:
+    @staticmethod
+    def _capacity(data, batch) -> int | None:
+        """Compact rows per microbatch: at most the tokens one of verl's micro-batches would hold."""
         if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
             return tu.get_non_tensor_data(data=data, key="max_token_len_per_gpu", default=None)
-        return None
+        size = tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=None)
+        return None if size is None else int(size) * int(batch.lengths.max(initial=1))
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         self._global_batch_info(data)
         model = self.harts_model()
         batch = worker_batch(data)
-        plan = compile_for(batch, model, self._capacity(data))
+        plan = compile_for(batch, model, self._capacity(data, batch))
         temperature = scalar_temperature(data["temperature"], "verl batch, key 'temperature'")
         with_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
         per_trajectory: dict[str, list[torch.Tensor | None]] = {"log_probs": [None] * len(batch)}
