@@ -55,7 +55,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def probe_ops(device: torch.device, dtype: torch.dtype, config: HybridConfig) -> dict:
+def probe_ops(device: torch.device, dtype: torch.dtype, config: HybridConfig, chunk: int) -> dict:
     """Row-wise batch invariance of each operator: big packed batch vs a small batch holding the same rows."""
     generator = torch.Generator(device="cpu").manual_seed(0)
 
@@ -116,7 +116,6 @@ def probe_ops(device: torch.device, dtype: torch.dtype, config: HybridConfig) ->
     results["attention_branch_queries_vs_full_sequence"] = _max_diff(alone[-tail:], branch)
 
     lin_heads, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
-    chunk = config.chunk_size
     lengths = [4100, 1500, 2048, 333]
     total = sum(lengths)
     ql = torch.nn.functional.normalize(randn(total, lin_heads, dk).float(), dim=-1).to(dtype)
@@ -166,7 +165,7 @@ def probe_layers(model: HybridModel, batch, plan, groups, trajectories: list[int
     from harts_bench.ablation import fork_positions
 
     device = model.device
-    chunk = model.config.chunk_size
+    chunk = plan.chunk_size
     wanted_set = set(trajectories)
 
     def baseline_rows(group: list[int]) -> dict[int, list[torch.Tensor]]:
@@ -247,6 +246,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--target-compression", type=float, default=None,
                         help="the trees harts bench --target-compression would pick (default: trees in order)")
     parser.add_argument("--capacity", type=int, default=harts.DEFAULT_OPTIONS.capacity)
+    parser.add_argument("--chunk-size", type=int, default=harts.DEFAULT_OPTIONS.chunk_size)
     parser.add_argument("--trajectories", type=int, default=16, help="trajectories traced through every layer")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None)
@@ -267,7 +267,7 @@ def main(argv=None) -> dict:
     results: dict = {"device": str(device), "torch": torch.__version__, "preset": args.preset,
                      "layers": config.num_layers, "dtype": dtype_name}
     say("operators: row of a big packed batch vs the same row in a small batch (max |diff|)")
-    results["ops"] = probe_ops(device, getattr(torch, dtype_name), config)
+    results["ops"] = probe_ops(device, getattr(torch, dtype_name), config, args.chunk_size)
     for name, value in results["ops"].items():
         say(f"  {name}: {value:.3e}")
     full = swe_like_step(seed=args.seed, scale=args.scale, vocab_size=config.vocab_size)
@@ -275,7 +275,7 @@ def main(argv=None) -> dict:
         batch = select_trees(full, args.tokens)
     else:
         batch = trees_near_compression(full, args.tokens, args.target_compression, args.capacity)
-    plan = harts.compile(batch, capacity=args.capacity, chunk_size=config.chunk_size)
+    plan = harts.compile(batch, capacity=args.capacity, chunk_size=args.chunk_size)
     groups = baseline_microbatches(batch.lengths, args.capacity)
     trajectories = list(range(min(args.trajectories, len(batch.tokens))))
     say(f"layers: {len(batch.tokens)} trajectories, {batch.semantic_tokens} tokens; tracing {trajectories}")

@@ -100,6 +100,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", required=True, help="directory for the {kernel_name}.json files")
     parser.add_argument("--preset", default="ling-3.0-tiny")
     parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--chunk-size", type=int, default=64, help="the plans' chunk size B (fla's KDA kernels take 32 or 64)")
     parser.add_argument("--only", choices=("all", "conv"), default="all",
                         help="tune every kernel HARTS and the baseline run, or only the causal convolution")
     args = parser.parse_args(argv)
@@ -123,7 +124,7 @@ def main(argv=None) -> None:
     beta = torch.rand(total, heads, device="cuda").bfloat16()
     h0 = torch.randn(len(lengths), heads, key_dim, value_dim, device="cuda") * 0.1
     inputs = [t.requires_grad_() for t in (q, k, v, g, beta, h0)]
-    exports = [[1, 3], [2], [], [5], [], [], [1], [int(np.ceil(lengths[7] / config.chunk_size))]]
+    exports = [[1, 3], [2], [], [5], [], [], [1], [int(np.ceil(lengths[7] / args.chunk_size))]]
     started = time.perf_counter()
     tune_convolution(config, lengths, started)
     if args.only == "conv":
@@ -137,7 +138,7 @@ def main(argv=None) -> None:
         ("stock chunk_kda, zero states", chunk.stock_chunk_kda, {}),
     ):
         step = time.perf_counter()
-        o, final, exported = function(*inputs[:5], cu, chunk_size=config.chunk_size, scale=key_dim**-0.5, **kwargs)
+        o, final, exported = function(*inputs[:5], cu, chunk_size=args.chunk_size, scale=key_dim**-0.5, **kwargs)
         (o.float().sum() + final.sum() + exported.sum()).backward()
         torch.cuda.synchronize()
         print(f"[{time.perf_counter() - started:7.1f}s] tuned {name} in {time.perf_counter() - step:.1f} s", flush=True)

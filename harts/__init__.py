@@ -18,11 +18,14 @@ from harts.errors import (
     IRParseError,
     IRVerificationError,
     PipelineError,
+    ModelInputError,
     PlanArtifactError,
+    PlanBatchMismatchError,
     PlanningError,
     RolloutInputError,
 )
 from harts.options import DEFAULT_OPTIONS, CompileOptions
+from harts.binding import BoundPlan
 from harts.plan import Plan, load_plan
 
 _LAZY_SUBMODULES = ("runtime", "models", "rl", "kernels", "codegen", "planner", "interop", "train", "tasks")
@@ -37,13 +40,16 @@ def __getattr__(name: str):
 __all__ = [
     "DEFAULT_OPTIONS",
     "DEFAULT_PIPELINE",
+    "BoundPlan",
     "CompileOptions",
     "HartsError",
     "IRParseError",
     "IRVerificationError",
     "PipelineError",
+    "ModelInputError",
     "Plan",
     "PlanArtifactError",
+    "PlanBatchMismatchError",
     "PlanningError",
     "RolloutBatch",
     "RolloutInputError",

@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -46,8 +47,12 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INF
     )
 
 
+#: Terminal escape sequences (colours, cursor moves): torch and transformers colour some messages.
+_ANSI_ESCAPE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
+
+
 def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
+    return " ".join(_ANSI_ESCAPE.sub("", str(text)).split())
 
 
 def _fail(error: Exception | str) -> None:
@@ -106,6 +111,7 @@ def compile_command(
     capacity: int = typer.Option(DEFAULT_OPTIONS.capacity, "--capacity", help="Microbatch capacity T in compact tokens."),
     dp: int = typer.Option(DEFAULT_OPTIONS.dp_size, "--dp", help="Data-parallel degree D."),
     chunk_size: int = typer.Option(DEFAULT_OPTIONS.chunk_size, "--chunk-size", help="Linear-attention chunk size B."),
+    fast_kernels: bool = typer.Option(False, "--fast-kernels", help="Plan for the fast linear-attention kernels: refuse a chunk size they cannot take."),
     print_ir_after_all: bool = typer.Option(False, "--print-ir-after-all", help="Print the IR after every pass (stderr)."),
     print_ir_after: Optional[str] = typer.Option(None, "--print-ir-after", help="Comma-separated passes to print the IR after."),
     dump_ir: Optional[Path] = typer.Option(None, "--dump-ir", help="Write every stage, lowering and codegen included, to DIR/NNN_<pass>.txt."),
@@ -113,18 +119,19 @@ def compile_command(
     time_passes: bool = typer.Option(False, "--time-passes", help="Print the time of every pass."),
 ) -> None:
     """Compile a rollout batch into a plan artifact."""
+    from harts.fsio import IR_DUMP, PLAN_DIRECTORY, PLAN_FILE, check_outputs
     from harts.passes.manager import DumpIR, PrintIRAfter, TimePasses
-    from harts.rollouts.inputs import resolve_input
+    from harts.rollouts.inputs import input_path, resolve_input
 
-    if dump_ir is not None and dump_ir.exists() and not dump_ir.is_dir():
-        _fail(f"--dump-ir {dump_ir}: it exists and is not a directory; name a directory to dump the stages into")
+    plan_kind = PLAN_FILE if output.suffix == ".safetensors" else PLAN_DIRECTORY
+    check_outputs([("--output", output, plan_kind), ("--dump-ir", dump_ir, IR_DUMP)], [input_path(input)])
     instruments = []
     if print_ir_after_all:
         instruments.append(PrintIRAfter(None))
     elif print_ir_after:
         instruments.append(PrintIRAfter([p.strip() for p in print_ir_after.split(",") if p.strip()]))
     if dump_ir is not None:
-        instruments.append(DumpIR(dump_ir))
+        instruments.append(DumpIR(dump_ir, option="--dump-ir"))
     timer = TimePasses() if time_passes else None
     if timer is not None:
         instruments.append(timer)
@@ -132,7 +139,7 @@ def compile_command(
         batch = resolve_input(input)
     plan = harts.compile(
         batch, capacity=capacity, dp_size=dp, chunk_size=chunk_size, pipeline=pipeline,
-        verify=False if no_verify else None, instruments=instruments, progress=True,
+        verify=False if no_verify else None, instruments=instruments, progress=True, fast_kernels=fast_kernels,
     )
     plan.save(output)
     print_stats(plan.stats, title=f"plan written to {output}")
@@ -150,12 +157,17 @@ def inspect_command(
     microbatch: Optional[int] = typer.Option(None, "--microbatch", help="Microbatch whose segment tree --plot draws (default: the one with the most rounds)."),
 ) -> None:
     """Show a plan: statistics, microbatches and rounds."""
+    from harts.fsio import PLOT_DIRECTORY, check_outputs
+
+    if microbatch is not None and plot is None:
+        _fail(f"--microbatch {microbatch} picks the segment tree that --plot draws; give --plot DIR too")
+    check_outputs([("--plot", plot, PLOT_DIRECTORY)], [plan_path])
     plan = harts.load_plan(plan_path)
     if plot is not None:
         from harts.viz import write_plots
 
         with console.status(f"plotting into {plot}"):
-            paths = write_plots(plan, plot, microbatch=microbatch)
+            paths = write_plots(plan, plot, microbatch=microbatch, option="--plot")
         for path in paths:
             console.print(f"wrote {path}")
         return
@@ -177,21 +189,6 @@ def inspect_command(
     Console().print(table)
 
 
-def _is_node_table(path: Path) -> bool:
-    """True for a node table HARTS wrote (its schema record / metadata), the only existing file convert replaces."""
-    try:
-        if path.suffix == ".jsonl":
-            with path.open(encoding="utf-8") as handle:
-                return json.loads(handle.readline() or "null").get("kind") == "schema"
-        import pyarrow.parquet as pq
-
-        from harts.rollouts import PARQUET_SCHEMA_KEY
-
-        return PARQUET_SCHEMA_KEY in (pq.read_schema(path).metadata or {})
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 @app.command("convert")
 @reports_errors
 def convert_command(
@@ -205,6 +202,7 @@ def convert_command(
     ),
 ) -> None:
     """Convert an RL framework's saved batch into a HARTS node table (trees recovered by token prefixes)."""
+    from harts.fsio import NODE_TABLE, check_outputs
     from harts.interop import read_framework_batch
 
     options = {"ignore": tuple(ignore or ())}
@@ -215,11 +213,7 @@ def convert_command(
         options["rolled"] = rolled
     elif rolled is not None:
         raise HartsError(f"--rolled / --not-rolled apply to --from areal only, not --from {framework}")
-
-    if output.exists() and output.resolve() == input.resolve():
-        raise HartsError(f"{output}: the output is the input file; choose another path")
-    if output.exists() and not _is_node_table(output):
-        raise HartsError(f"{output} exists and is not a HARTS node table; it was left untouched: choose another path")
+    check_outputs([("--output", output, NODE_TABLE)], [input])
     with console.status(f"reading {input}"):
         batch = read_framework_batch(input, framework, **options)
     try:
@@ -250,10 +244,10 @@ def passes_command() -> None:
 
 
 def _records_table(records: list[dict], title: str) -> Table:
-    columns = ("step", "epoch", "loss", "kl", "clip_fraction", "entropy", "grad_norm", "fbgrad_seconds")
+    columns = ("step", "epoch", "loss", "kl", "clip_fraction", "entropy", "grad_norm", "fbgrad_seconds", "rows_per_second")
     table = Table(title=title)
     for column in columns:
-        table.add_column(column.replace("_seconds", " s").replace("_", " "), justify="right")
+        table.add_column(column.replace("_seconds", " s").replace("_per_second", "/s").replace("_", " "), justify="right")
     for record in records:
         table.add_row(*(_format(record.get(column)) for column in columns))
     return table
@@ -292,23 +286,25 @@ def train_command(
     kl_coef: Optional[float] = typer.Option(None, "--kl-coef", help="KL penalty to the initial weights (default 1e-3; 0: no reference model)."),
     temperature: Optional[float] = typer.Option(None, "--temperature", help="Sampling temperature the log-probs are computed at (default 1)."),
     capacity: Optional[int] = typer.Option(None, "--capacity", help="Microbatch capacity T in compact tokens (default 65536)."),
-    chunk_size: Optional[int] = typer.Option(None, "--chunk-size", help="Linear-attention chunk size B (default: the model's)."),
+    chunk_size: Optional[int] = typer.Option(None, "--chunk-size", help="Linear-attention chunk size B of the plan (default 64)."),
     dp: Optional[int] = typer.Option(None, "--dp", help="Data-parallel degree D of the plan (default: the torchrun world size)."),
     parallel: Optional[str] = typer.Option(None, "--parallel", help="Data-parallel wrapper under torchrun: ddp (default) or fsdp (FSDP2)."),
     recompute: Optional[bool] = typer.Option(None, "--recompute/--no-recompute", help="Full-layer activation recomputation (default off)."),
     save: Optional[Path] = typer.Option(None, "--save", help="Write the trained weights to this .safetensors file."),
     task: Optional[str] = typer.Option(None, "--task", help="Online RL on a task instead of a fixed batch: the policy samples rollout trees each step (tasks: count; see harts.tasks)."),
+    matmul_precision: Optional[str] = typer.Option(None, "--matmul-precision", help="torch.set_float32_matmul_precision: highest, high or medium (default: high on CUDA, as harts-bench; highest on CPU)."),
 ) -> None:
     """Train a model on a rollout batch for some RL steps (run under torchrun for data parallelism), or online on --task."""
-    from harts.train.loop import load_options, run_training
+    from harts.train.loop import check_run_outputs, load_options, run_training
 
     flags = dict(
         input=input, task=task, preset=preset, hf=hf, steps=steps, epochs=epochs, lr=lr, mode=mode, dtype=dtype, seed=seed,
         metrics=None if metrics is None else str(metrics), plot=None if plot is None else str(plot), algorithm=algorithm,
         kl_coef=kl_coef, temperature=temperature, capacity=capacity, chunk_size=chunk_size, dp=dp, parallel=parallel,
-        recompute=recompute, save=None if save is None else str(save),
+        recompute=recompute, save=None if save is None else str(save), matmul_precision=matmul_precision,
     )
     options = load_options(flags, config)
+    check_run_outputs(options, config=config)
     if options.task is not None:
         from harts.train.online import run_online
 
@@ -338,9 +334,12 @@ def run_command(
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
 ) -> None:
     """The main job: compile a batch, train a few GRPO steps with HARTS and the baseline from the same weights, compare."""
+    from harts.fsio import PNG, check_outputs
+    from harts.rollouts.inputs import input_path
     from harts.train.demo import run_demo
     from harts.train.loop import step_progress
 
+    check_outputs([("--plot", plot, PNG)], [input_path(input)])
     if threads > 0:
         import torch
 

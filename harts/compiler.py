@@ -10,7 +10,7 @@ from harts.rollouts.batch import RolloutBatch
 from harts.errors import PipelineError
 from harts.ir.layout import LaidOutModule
 from harts.ir.nodes import Phase
-from harts.options import DEFAULT_OPTIONS, CompileOptions, check_compile_options
+from harts.options import DEFAULT_OPTIONS, CompileOptions, check_compile_options, check_fast_kernel_chunk_size
 from harts.passes.base import Pass, PassContext
 from harts.passes.codegen import Codegen
 from harts.passes.lower import lower_batch
@@ -72,6 +72,7 @@ def compile(  # noqa: A001 - the public name the design asks for
     verify: bool | None = None,
     instruments: Sequence[Instrument] | None = None,
     progress: bool = False,
+    fast_kernels: bool = False,
 ) -> Plan:
     """Compile a rollout batch into an execution plan.
 
@@ -81,6 +82,10 @@ def compile(  # noqa: A001 - the public name the design asks for
     phase ends in ``codegen`` (:func:`complete_pipeline`). ``verify=None`` follows
     ``HARTS_VERIFY`` (on unless set to 0). Instruments from the environment are added to the
     ones given.
+
+    ``fast_kernels=True``: the plan is for the fast linear-attention kernels, so a chunk size
+    they cannot take (:data:`harts.options.FAST_KERNEL_CHUNK_SIZES`) is refused here, and on a
+    GPU the runtime raises instead of falling back to the reference kernels.
     """
     if not isinstance(batch, RolloutBatch):
         raise PipelineError(f"harts.compile expects a RolloutBatch, got {type(batch).__name__}")
@@ -89,6 +94,10 @@ def compile(  # noqa: A001 - the public name the design asks for
         pipeline = default_pipeline_text()
     passes = complete_pipeline(parse_pipeline(pipeline) if isinstance(pipeline, str) else pipeline)
     check_compile_options(capacity=capacity, dp_size=dp_size, chunk_size=chunk_size, passes=passes)
+    if not isinstance(fast_kernels, bool):
+        raise PipelineError(f"option 'fast_kernels' must be True or False, got {fast_kernels!r}")
+    if fast_kernels:
+        check_fast_kernel_chunk_size(chunk_size)
     verify_each = verification_enabled_by_environment() if verify is None else verify
     all_instruments = list(instruments or ()) + instruments_from_environment()
     started = time.perf_counter()
@@ -105,4 +114,4 @@ def compile(  # noqa: A001 - the public name the design asks for
     module, layouts = (result.module, result.layouts) if isinstance(result, LaidOutModule) else (result, None)
     stats = compute_stats(module, plan_seconds=plan_seconds, laid_out=layouts is not None)
     logger.info("compiled %d trajectories in %.3f s: compression %.3f", stats["trajectories"], plan_seconds, stats["compression"])
-    return Plan(module=module, pipeline=pipeline_to_text(passes), stats=stats, layouts=layouts)
+    return Plan(module=module, pipeline=pipeline_to_text(passes), stats=stats, layouts=layouts, fast_kernels=fast_kernels)

@@ -31,3 +31,11 @@ class PlanArtifactError(HartsError):
 
 class OutputError(HartsError, OSError):
     """An output HARTS was asked to write cannot be written (read-only place, not a directory, disk full...)."""
+
+
+class PlanBatchMismatchError(HartsError, ValueError):
+    """A plan meets a batch it was not compiled for (another input hash, or rows whose tokens disagree)."""
+
+
+class ModelInputError(HartsError, ValueError):
+    """What the runtime was handed does not fit the model or the call (token ids, shapes, temperature, plan type)."""

@@ -65,6 +65,10 @@ class CompactLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, rows, targets, with_entropy, row_chunk):
+        # An output the loss does not use (the entropy, when it is only measured) must reach backward
+        # as None, not as materialised zeros: zeros would run the entropy's [rows, V] gradient terms
+        # for nothing, block by block.
+        ctx.set_materialize_grads(False)
         dtype = compute_dtype(hidden.dtype)
         num_rows = hidden.shape[0]
         order = torch.argsort(rows, stable=True)

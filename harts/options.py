@@ -81,3 +81,19 @@ def check_compile_options(*, capacity: Any, dp_size: Any, chunk_size: Any, passe
             f"option 'chunk_size' is {chunk_size:,}, above {MAX_CHUNK_SIZE:,}: the linear-attention kernels allocate "
             "chunk_size x chunk_size matrices per head and chunk (64 is the usual choice)"
         )
+
+
+#: The chunk sizes the fast linear-attention kernels take (fla's chunkwise KDA pipeline,
+#: :mod:`harts.kernels.linear_attention.chunk`); other chunk sizes run on the reference only.
+FAST_KERNEL_CHUNK_SIZES: tuple[int, ...] = (32, 64)
+
+
+def check_fast_kernel_chunk_size(chunk_size: int) -> None:
+    """``harts.compile(fast_kernels=True)``: refuse, at compile time, a chunk size the fast kernels cannot take
+    (rather than let the runtime fall back to the reference without a word)."""
+    if chunk_size not in FAST_KERNEL_CHUNK_SIZES:
+        raise PipelineError(
+            f"option 'chunk_size' is {chunk_size}, but the fast linear-attention kernels take chunk sizes "
+            f"{' or '.join(map(str, FAST_KERNEL_CHUNK_SIZES))}; compile with one of them, or with fast_kernels=False "
+            "to run on the reference kernels"
+        )

@@ -30,15 +30,14 @@ import attrs
 import numpy as np
 
 from safetensors import safe_open
-from safetensors.numpy import load as load_tensors
 from safetensors.numpy import load_file as load_tensor_file
 from safetensors.numpy import save as save_tensors
 
 from harts._version import __version__
-from harts.codegen.layout import MicrobatchLayout, layout_of
-from harts.errors import HartsError, PlanArtifactError
-from harts.fsio import atomic_write_bytes, foreign_entries, replace_directory
-from harts.ir.layout import LaidOutModule
+from harts.binding import BoundPlan, bind
+from harts.errors import HartsError, OutputError, PlanArtifactError
+from harts.fsio import PLAN_DIRECTORY, PLAN_FILE, atomic_write_bytes, check_output, foreign_entries, replace_directory
+from harts.ir.layout import LaidOutModule, MicrobatchLayout
 from harts.ir.nodes import Module, Phase
 from harts.ir.text import parse_ir, print_ir
 from harts.ir.verify import verify
@@ -63,7 +62,7 @@ def _segment_depths(module: Module) -> tuple[int, int]:
 
 
 def compute_stats(module: Module, plan_seconds: float | None = None, *, laid_out: bool = False) -> dict[str, Any]:
-    """The figures of a compiled module; keys follow the inspect document in DESIGN.md.
+    """The figures of a compiled module; keys follow the inspect document (:meth:`Plan.to_json`, ``harts inspect PLAN --json``).
 
     ``laid_out``: the module's microbatches have been laid out (the plan's phase is ``laid_out``).
     """
@@ -132,17 +131,38 @@ class Plan:
     """A compiled plan: the final IR, its layouts (the ``codegen`` stage), the pipeline that
     produced it and its statistics.
 
-    ``layouts`` is None for a plan whose pipeline stopped before code generation.
+    ``layouts`` is None for a plan whose pipeline stopped before code generation; only a
+    laid-out plan runs (:meth:`bind`). Layout arrays are read-only.
     """
 
     module: Module
     pipeline: str
     stats: dict[str, Any]
     layouts: tuple[MicrobatchLayout, ...] | None = None
+    #: compiled for the fast linear-attention kernels (``harts.compile(fast_kernels=True)``)
+    fast_kernels: bool = False
+    #: what the pipeline produced, built once (see :attr:`stage`)
+    _stage: Module | LaidOutModule = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.layouts is None and self.module.phase >= Phase.ROUNDED:
+            raise PlanArtifactError(
+                "a rounded plan is laid out: give it its layouts (harts.codegen.layout.lay_out), or compile it with harts.compile"
+            )
+        if self.layouts is not None and len(self.layouts) != len(self.module.microbatches or ()):
+            raise PlanArtifactError(
+                f"the plan has {len(self.module.microbatches or ())} microbatches but {len(self.layouts)} layouts"
+            )
+        stage = self.module if self.layouts is None else LaidOutModule(module=self.module, layouts=self.layouts)
+        object.__setattr__(self, "_stage", stage)
 
     @property
     def has_rounds(self) -> bool:
         return self.module.phase >= Phase.ROUNDED
+
+    @property
+    def is_laid_out(self) -> bool:
+        return self.layouts is not None
 
     @property
     def microbatches(self):
@@ -153,9 +173,19 @@ class Plan:
         return self.module.input_hash
 
     @property
+    def chunk_size(self) -> int:
+        """B, the linear-attention chunk size the plan's rounds, replay and state hand-offs sit on: the
+        one chunk size every kernel call on this plan uses."""
+        return self.module.chunk_size
+
+    @property
     def stage(self) -> Module | LaidOutModule:
         """What the pipeline produced: the laid-out module, or the module where the pipeline stopped."""
-        return self.module if self.layouts is None else LaidOutModule(module=self.module, layouts=self.layouts)
+        return self._stage
+
+    def bind(self, batch, model: Any = None) -> BoundPlan:
+        """This plan bound to ``batch`` (and checked against ``model``), as the runtime runs it: see :mod:`harts.binding`."""
+        return bind(self, batch, model)
 
     def to_json(self) -> dict[str, Any]:
         """The inspect document (``harts inspect PLAN --json``)."""
@@ -184,14 +214,17 @@ class Plan:
 
     # ------------------------------------------------------------- codegen
     def layout(self, microbatch: int) -> MicrobatchLayout:
-        """The compact physical layout of one microbatch: the stored one, or (a rounded plan
-        that was not laid out) laid out now."""
-        return layout_of(self.stage, microbatch)
+        """The compact physical layout of one microbatch (a laid-out plan's stored one)."""
+        if self.layouts is None:
+            raise PlanArtifactError(f"the plan is at phase {self.module.phase} and holds no layouts (compile with the full pipeline)")
+        if not 0 <= microbatch < len(self.layouts):
+            raise PlanArtifactError(f"the plan has no microbatch {microbatch} ({len(self.layouts)} microbatches)")
+        return self.layouts[microbatch]
 
     def index_tensors(self) -> dict[str, np.ndarray]:
-        """Every microbatch's layout tensors, keys prefixed ``mb<index>.`` (empty before the rounded phase)."""
+        """Every microbatch's layout tensors, keys prefixed ``mb<index>.`` (empty for a plan that was not laid out)."""
         tensors: dict[str, np.ndarray] = {}
-        if not self.has_rounds:
+        if self.layouts is None:
             return tensors
         for mb in self.microbatches:
             for key, value in self.layout(mb.index).to_tensors().items():
@@ -205,7 +238,8 @@ class Plan:
             "schema_version": SCHEMA_VERSION,
             "harts_version": __version__,
             "input_hash": self.input_hash,
-            "options": {"capacity": self.module.capacity, "dp_size": self.module.dp_size, "chunk_size": self.module.chunk_size},
+            "options": {"capacity": self.module.capacity, "dp_size": self.module.dp_size, "chunk_size": self.module.chunk_size,
+                        "fast_kernels": self.fast_kernels},
             "pipeline": self.pipeline.split(",") if self.pipeline else [],
             "pipeline_text": self.pipeline,
             "stats": stats,
@@ -216,11 +250,12 @@ class Plan:
         return manifest
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the artifact atomically: a directory, or one file if ``path`` ends in ``.safetensors``.
-
-        A rounded plan always stores its layouts (laid out now if its pipeline stopped at ``min-call-rounds``).
-        """
+        """Write the artifact atomically: a directory, or one file if ``path`` ends in ``.safetensors``."""
         path = Path(path)
+        try:  # the output-ownership rule (harts.fsio), before any work: new, or a plan HARTS wrote
+            check_output(path, PLAN_FILE if path.suffix == ".safetensors" else PLAN_DIRECTORY)
+        except OutputError as error:
+            raise PlanArtifactError(str(error)) from None
         ir_text = self.ir_text()
         tensors = self.index_tensors()
         if path.suffix == ".safetensors":
@@ -351,6 +386,45 @@ def _layouts_from_tensors(tensors: dict[str, np.ndarray], module: Module, where:
     return tuple(layouts)
 
 
+#: The largest safetensors header a plan may have: its tensor names and offsets (a few per microbatch).
+MAX_TENSOR_HEADER_BYTES = 64 << 20
+
+
+def _check_tensor_sizes(path: Path, what: str) -> None:
+    """Refuse a safetensors file whose size is not exactly what its header declares, before reading its tensors.
+
+    A file of gigabytes (sparse, or padded) behind a small header would otherwise be read whole into memory
+    only to fail its digest; the header alone (bounded) says how many bytes the tensors take.
+    """
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        prefix = handle.read(8)
+        header_bytes = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if not 0 < header_bytes <= min(size - 8, MAX_TENSOR_HEADER_BYTES):
+            raise PlanArtifactError(f"{path}: {what} (a safetensors header of {header_bytes:,} bytes in a {size:,}-byte file)")
+        try:
+            header = json.loads(handle.read(header_bytes).decode("utf-8"))
+            ends = [int(entry["data_offsets"][1]) for key, entry in header.items() if key != "__metadata__"]
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as error:
+            raise PlanArtifactError(f"{path}: {what} (a damaged safetensors header: {type(error).__name__})") from None
+    declared = max(ends, default=0)
+    held = size - 8 - header_bytes
+    if declared != held:
+        raise PlanArtifactError(
+            f"{path}: {what} (its header declares {declared:,} bytes of tensors but the file holds {held:,} after it; "
+            "it was not read)"
+        )
+
+
+def _file_digest(path: Path) -> str:
+    """SHA-256 of a file, read a block at a time (never the whole file in memory)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def load_plan(path: str | os.PathLike) -> Plan:
     """Load and check a plan artifact written by :meth:`Plan.save`.
 
@@ -386,16 +460,18 @@ def _load_plan(path: Path) -> Plan:
             manifest = _check_manifest(manifest, path)
             try:
                 ir_text = (path / _IR).read_bytes().decode("utf-8")
-                tensor_bytes = (path / _TENSORS).read_bytes()
+                _check_tensor_sizes(path / _TENSORS, "truncated or edited")
+                digest = _file_digest(path / _TENSORS)
             except FileNotFoundError as error:
                 raise PlanArtifactError(f"{path}: missing {Path(error.filename).name}") from None
-            if hashlib.sha256(tensor_bytes).hexdigest() != manifest.get("tensors_sha256"):
+            if digest != manifest.get("tensors_sha256"):
                 raise PlanArtifactError(f"{path / _TENSORS}: truncated or edited (digest mismatch)")
             try:
-                tensors = load_tensors(tensor_bytes)
+                tensors = load_tensor_file(str(path / _TENSORS))
             except Exception as error:  # safetensors raises several types for damaged headers
                 raise PlanArtifactError(f"{path / _TENSORS}: not readable tensors ({error})") from None
         else:
+            _check_tensor_sizes(path, "not a readable plan file")
             try:
                 with safe_open(str(path), framework="numpy") as handle:
                     metadata = handle.metadata() or {}
@@ -432,4 +508,8 @@ def _load_plan(path: Path) -> Plan:
         raise PlanArtifactError(f"{path}: the manifest's stats or pipeline_text has the wrong type")
     stats = dict(stats)
     stats["plan_seconds"] = None
-    return Plan(module=module, pipeline=pipeline, stats=stats, layouts=layouts)
+    options = manifest.get("options")
+    fast_kernels = options.get("fast_kernels", False) if isinstance(options, dict) else False
+    if not isinstance(fast_kernels, bool):
+        raise PlanArtifactError(f"{path}: the manifest's option fast_kernels is not a boolean")
+    return Plan(module=module, pipeline=pipeline, stats=stats, layouts=layouts, fast_kernels=fast_kernels)

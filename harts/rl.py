@@ -50,6 +50,7 @@ __all__ = [
     "policy_loss",
     "ppo_loss",
     "reduce_tokens",
+    "refuse_empty_loss_mask",
     "token_metadata",
 ]
 
@@ -364,6 +365,7 @@ def group_advantages(rewards: Any, groups: Any, *, normalize_std: bool = True, e
     groups = np.asarray(groups)
     if rewards.shape != groups.shape or rewards.ndim != 1:
         raise RolloutInputError(f"rewards and groups need one entry per trajectory; got shapes {rewards.shape} and {groups.shape}")
+    _refuse_overflow(rewards)
     _, group_index = np.unique(groups, return_inverse=True)
     counts = np.bincount(group_index)
     means = np.bincount(group_index, weights=rewards) / counts
@@ -376,3 +378,33 @@ def group_advantages(rewards: Any, groups: Any, *, normalize_std: bool = True, e
     scale = std[group_index] + eps
     # a group whose rewards are all equal carries no signal: advantage 0, never 0/0
     return np.divide(centred, scale, out=np.zeros_like(centred), where=scale > 0)
+
+
+#: Largest reward magnitude group_advantages takes: the squared deviations of a group stay far inside
+#: float64 (1e308) at this size; beyond it a group's mean or spread overflows (NaN or zero advantages).
+MAX_REWARD_MAGNITUDE = 1e150
+
+
+def _refuse_overflow(rewards: np.ndarray) -> None:
+    too_large = ~(np.abs(rewards) <= MAX_REWARD_MAGNITUDE)  # NaN too
+    if too_large.any():
+        bad = int(np.flatnonzero(too_large)[0])
+        raise RolloutInputError(
+            f"trajectory {bad}: field 'reward' is {float(rewards[bad])!r}; GRPO advantages take rewards of magnitude up to "
+            f"{MAX_REWARD_MAGNITUDE:g} (beyond, a group's mean or spread overflows float64): rescale the rewards"
+        )
+
+
+def refuse_empty_loss_mask(loss_mask: Any, cu_seqlens: torch.Tensor) -> None:
+    """Refuse a loss mask that gates no log-prob at all (entry 0 of a trajectory gates none).
+
+    Such a step has a loss of 0 and no gradient: the optimizer would only apply weight decay and
+    Adam's state would still move, a silent no-op the user did not ask for. Computing log-probs or
+    compiling such a batch stays allowed; only training on it is refused.
+    """
+    mask = token_metadata(loss_mask, torch.as_tensor(cu_seqlens, dtype=torch.long), name="loss_mask", dtype=torch.float64)
+    if not bool((mask != 0).any()):
+        raise RolloutInputError(
+            "field 'loss_mask' is 0 at every trained position of every trajectory (its first entry gates no log-prob): "
+            "the step would train on nothing; mark the tokens to train on with 1"
+        )

@@ -29,12 +29,12 @@ import attrs
 import numpy as np
 
 from harts.errors import PlanArtifactError
-from harts.fsio import atomic_write_bytes
+from harts.fsio import PLOT_DIRECTORY, PNG, atomic_write_bytes, check_output, png_metadata
 from harts.ir.nodes import Phase
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SegmentTree", "SlotWork", "plan_histograms", "segment_tree", "slot_work", "write_plots"]
+__all__ = ["SegmentTree", "SlotWork", "plan_histograms", "segment_tree", "plot_paths", "slot_work", "write_plots"]
 
 #: Above this many segments a tree is drawn without node labels (they would overlap).
 LABELLED_SEGMENTS = 80
@@ -156,7 +156,7 @@ def _pyplot():
 
 def _save(figure, path: Path) -> Path:
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+    figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight", metadata=png_metadata(f"plan figure {path.name}"))
     _pyplot().close(figure)
     atomic_write_bytes(path, buffer.getvalue())
     return path
@@ -287,19 +287,34 @@ def default_microbatch(plan: Any) -> int:
     return max(plan.microbatches, key=lambda mb: (len(mb.rounds), len(mb.segments), -mb.index)).index
 
 
-def write_plots(plan: Any, directory: str | os.PathLike[str], *, microbatch: int | None = None) -> list[Path]:
-    """Write the three figures into ``directory`` (created if needed); returns their paths."""
+def plot_paths(plan: Any, directory: str | os.PathLike[str], microbatch: int | None = None) -> list[Path]:
+    """The figures :func:`write_plots` writes into ``directory``, in order."""
+    chosen = default_microbatch(plan) if microbatch is None else microbatch
+    directory = Path(directory)
+    return [directory / "slot_work.png", directory / f"segment_tree_mb{chosen}.png", directory / "histograms.png"]
+
+
+def write_plots(plan: Any, directory: str | os.PathLike[str], *, microbatch: int | None = None,
+                option: str | None = None) -> list[Path]:
+    """Write the three figures into ``directory`` (created if needed); returns their paths.
+
+    Each figure must be new or one HARTS drew (:data:`harts.fsio.PNG`): anything else in the
+    directory is left alone, and a figure's name held by another file is refused before any is drawn.
+    """
     _require(plan, Phase.ROUNDED, "plotting")
     indices = sorted(mb.index for mb in plan.microbatches)
     if microbatch is not None and microbatch not in indices:
         raise PlanArtifactError(f"the plan has no microbatch {microbatch} (it has {indices})")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    check_output(directory, PLOT_DIRECTORY, option=option)
+    targets = plot_paths(plan, directory, microbatch)
+    for target in targets:
+        check_output(target, PNG, option=option)
+    Path(directory).mkdir(parents=True, exist_ok=True)
     chosen = default_microbatch(plan) if microbatch is None else microbatch
     paths = [
-        draw_slot_work(plan, directory / "slot_work.png"),
-        draw_segment_tree(plan, chosen, directory / f"segment_tree_mb{chosen}.png"),
-        draw_histograms(plan, directory / "histograms.png"),
+        draw_slot_work(plan, targets[0]),
+        draw_segment_tree(plan, chosen, targets[1]),
+        draw_histograms(plan, targets[2]),
     ]
     logger.info("wrote %s", ", ".join(str(p) for p in paths))
     return paths

@@ -17,11 +17,14 @@ and the tests hold every fast path to its reference, forward and backward.
   (``naive`` index_select / cat, ``packed`` the generated programs' modules, whose backward
   writes each row's gradient once).
 
-:mod:`harts.kernels.naive` gathers the references into one namespace and
-:mod:`harts.kernels.dispatch` picks the fast path per call (see :class:`~.dispatch.Dispatch`).
+:mod:`harts.kernels.interface` declares the interface (:class:`~.interface.Kernels`, one
+protocol per operator) that :mod:`harts.kernels.naive` (the references in one namespace),
+:mod:`harts.kernels.dispatch` (the fast path per call, see :class:`~.dispatch.Dispatch`) and
+every operator implementation follow.
 """
 
-from . import dispatch, naive
+from . import dispatch, interface, naive
 from .dispatch import Dispatch
+from .interface import Kernels
 
-__all__ = ["Dispatch", "dispatch", "naive"]
+__all__ = ["Dispatch", "Kernels", "dispatch", "interface", "naive"]

@@ -1,7 +1,7 @@
 """Kernel dispatch: the fast path where it covers the inputs, the pure-torch reference elsewhere.
 
 A :class:`Dispatch` has the functions of :mod:`harts.kernels.naive` with the same names and
-signatures, so it can be passed wherever a ``kernels`` namespace is expected
+signatures (:class:`harts.kernels.interface.Kernels`), so it can be passed wherever a ``kernels`` namespace is expected
 (``BaselineView``, ``TreeView``, ``harts.runtime.log_probs(..., kernels=...)``). This module is
 itself such a namespace: its functions are those of the default dispatch, whose mode is read
 once, at import, from ``HARTS_KERNELS`` (``auto`` when unset). A caller that wants another mode

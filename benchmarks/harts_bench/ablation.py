@@ -197,8 +197,8 @@ class NodeAtATimeView(TreeView):
     :class:`TreeView`.
     """
 
-    def __init__(self, layout: MicrobatchLayout, chunk_size: int | None = None, device=None, *, kernels=None):
-        super().__init__(layout, chunk_size, device, kernels=kernels)
+    def __init__(self, layout: MicrobatchLayout, device=None, *, kernels=None):
+        super().__init__(layout, device, kernels=kernels)
         self.nodes = TrieNodes.from_layout(layout)
         self._sizes = self.nodes.length.tolist()
         self._order = self.nodes.order.tolist()

@@ -74,13 +74,16 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Any
 
+import attrs
 import numpy as np
 import torch
 import typer
 
 import harts
 from harts.kernels import Dispatch
+from harts.options import DEFAULT_OPTIONS
 from harts.kernels.linear_attention import chunk as fla_chunk
 from harts.rl import grpo_loss
 from harts.runtime import HybridConfig, HybridModel, log_probs_baseline, microbatch_log_probs
@@ -104,10 +107,12 @@ from harts_bench.profiling import (
     idle_gaps,
     kernel_intervals,
     plan_attention_pairs,
+    refined_limit,
     seconds_by_family,
     seconds_by_kernel,
 )
 from harts.rollouts.workloads import swe_like_step, trees_near_compression
+from harts_bench.train_step import headline_train_line, train_step_figures
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -125,7 +130,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--capacity", type=int, default=65536)
     parser.add_argument("--plan-repeats", type=int, default=3,
                         help="compiles timed after the first; core uses their median (the first pays imports)")
-    parser.add_argument("--chunk-size", type=int, default=None, help="default: the preset's")
+    parser.add_argument("--chunk-size", type=int, default=DEFAULT_OPTIONS.chunk_size,
+                        help="linear-attention chunk size B of the plan and of every kernel call")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--kernels", choices=("auto", "fast", "naive"), default="auto")
@@ -155,6 +161,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="print a torch.profiler table of one baseline and one HARTS pass (after warm-up; "
                              "'--profile harts': the HARTS pass only), their self time by operator family against "
                              "baseline / compression (profile_by_family), per-kernel tables and the device's idle gaps")
+    parser.add_argument("--train-step", action="store_true",
+                        help="also time harts.train.Trainer.step (what `harts train` runs) in both modes on the same "
+                             "model, plan and batch, and print the headline-train line")
     parser.add_argument("--sync-debug", action="store_true",
                         help="after the timed passes, count one HARTS pass's host-device synchronisations by source line")
     return parser.parse_args(argv)
@@ -207,8 +216,6 @@ def build_config(args) -> HybridConfig:
     overrides = {"dtype": args.dtype}
     if args.layers is not None:
         overrides["num_layers"] = args.layers
-    if args.chunk_size is not None:
-        overrides["chunk_size"] = args.chunk_size
     return HybridConfig.preset(args.preset, **overrides)
 
 
@@ -228,7 +235,7 @@ def build_workload(args, config: HybridConfig):
     seconds = []
     for _ in range(1 + max(0, args.plan_repeats)):
         plan_start = time.perf_counter()
-        plan = harts.compile(batch, capacity=args.capacity, chunk_size=config.chunk_size)
+        plan = harts.compile(batch, capacity=args.capacity, chunk_size=args.chunk_size)
         seconds.append(time.perf_counter() - plan_start)
     steady = float(np.median(seconds[1:])) if len(seconds) > 1 else seconds[0]
     say(f"planning: first compile {seconds[0]:.3f} s, steady state {steady:.3f} s (median of {len(seconds) - 1})")
@@ -473,7 +480,7 @@ def kernel_bench(args, device) -> dict:
     """
     config = build_config(args)
     heads, key_dim, value_dim = config.linear_num_key_heads, config.linear_key_head_dim, config.linear_value_head_dim
-    chunk = config.chunk_size
+    chunk = args.chunk_size
     rng = np.random.default_rng(0)
     lengths = rng.integers(args.kernel_tokens // 16, args.kernel_tokens // 4, size=64)
     lengths = lengths[: max(1, int(np.searchsorted(np.cumsum(lengths), args.kernel_tokens)))]
@@ -658,6 +665,7 @@ def write_results(path, results: dict) -> None:
 
 
 def main(argv=None) -> dict:
+    """The benchmark's entry point: one of its three subcommands, by flag (see the module docstring)."""
     args = parse_args(argv)
     device = torch.device(args.device)
     if args.dtype is None:
@@ -668,61 +676,116 @@ def main(argv=None) -> dict:
     # they take half of an F/B/Grad pass on an H200. TF32 ("high") is closer to what bf16
     # training stacks do and applies to the baseline and HARTS alike.
     torch.set_float32_matmul_precision(args.matmul_precision)
-    kernels = Dispatch(args.kernels)
     if args.kernel_bench:
+        if not fla_chunk.fla_available():
+            # the kernel bench times stock fla against HARTS' call: without fla (and a GPU) there is nothing to time
+            raise harts.HartsError("--kernel-bench times flash-linear-attention's kernels: install fla and run on a CUDA GPU")
         results = kernel_bench(args, device)
         Path(args.out).write_text(json.dumps(results, indent=2))
         return results
     if args.attention_bench:
         return attention_bench_main(args, device)
-    stock = StockFla(args.kernels)
+    return runtime_bench(args, device)
+
+
+@attrs.define
+class _Run:
+    """What every stage of the runtime benchmark works on: its model, workload, plan and kernel sets."""
+
+    args: argparse.Namespace
+    device: torch.device
+    kernels: Dispatch
+    stock: "StockFla"
+    model: HybridModel
+    batch: Any
+    plan: Any
+    groups: list[list[int]]
+    results: dict = attrs.field(factory=dict)
+
+    @property
+    def num_trajectories(self) -> int:
+        return len(self.batch.tokens)
+
+
+def runtime_bench(args, device: torch.device) -> dict:
+    """The headline benchmark: HARTS against the trajectory-wise baseline, then ablations, fidelity, diagnostics."""
+    run = _set_up(args, device)
+    baseline_lp, harts_lp = _measure_passes(run)
+    if not args.no_ablation:
+        _measure_ablations(run, baseline_lp)
+    run.model.zero_grad(set_to_none=True)
+    if not args.no_fidelity:
+        _measure_fidelity(run)
+    _speedups(run.results)
+    # written and printed before the optional diagnostics, so a run cut short in them keeps its figures
+    write_results(args.out, run.results)
+    _print_headline(run.results)
+    if args.train_step:
+        _time_train_steps(run)
+    if args.sync_debug and device.type == "cuda":
+        _count_syncs(run)
+    if args.profile:
+        _profile(run)
+        if "train_step" in run.results:
+            print(headline_train_line(run.results), flush=True)
+    return run.results
+
+
+def _set_up(args, device: torch.device) -> _Run:
+    """Model, workload, plan, the first training step and the run's static figures."""
+    kernels, stock = Dispatch(args.kernels), StockFla(args.kernels)
     fla_ready = device.type == "cuda" and fla_chunk.fla_available()
     say(f"torch {torch.__version__}, device {device}"
         + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
         + f", kernels={args.kernels}, fla={'yes' if fla_ready else 'no (the stock-fla baseline runs the reference)'}, "
         f"fp32 matmul precision={args.matmul_precision}")
-
     model = build_model(args, device)
     config = model.config
-    chunk_size = config.chunk_size
     params = sum(p.numel() for p in model.parameters())
     say(f"model {args.preset}: {config.num_layers} layers {list(config.layer_types)}, {params / 1e6:.1f}M parameters, "
-        f"{config.dtype}, chunk {chunk_size}")
-
+        f"{config.dtype}, chunk {args.chunk_size}")
     _full, batch, plan, plan_seconds, first_plan_seconds = build_workload(args, config)
-    num_trajectories = len(batch.tokens)
     say("first training step (HARTS: F/B/Grad over the plan + one optimizer step) ...")
     first_training_step(model, plan, batch, kernels, device)
     first_step_seconds = time.perf_counter() - STARTED
     say(f"first training step finished {first_step_seconds:.1f} s after start")
+    groups = baseline_microbatches(batch.lengths, args.capacity)
+    say(f"baseline: {len(groups)} microbatch(es) of <= {args.capacity} raw tokens")
+    run = _Run(args, device, kernels, stock, model, batch, plan, groups)
+    run.results = {
+        "config": {k: v for k, v in vars(args).items()},
+        "model": {"preset": args.preset, "layers": config.num_layers, "layer_types": list(config.layer_types),
+                  "parameters": params, "dtype": config.dtype, "chunk_size": args.chunk_size},
+        "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
+        "torch": torch.__version__,
+        "fla": fla_ready,
+        "first_step_seconds": first_step_seconds,
+        "workload": {"trajectories": run.num_trajectories, "raw_tokens": int(batch.semantic_tokens),
+                     "trees": len(set(np.asarray(batch.tree_ids).tolist()))},
+        **_plan_figures(run, plan_seconds, first_plan_seconds),
+        "baseline_microbatches": len(groups),
+    }
+    return run
+
+
+def _plan_figures(run: _Run, plan_seconds: float, first_plan_seconds: float) -> dict:
+    """The plan's shape: rows, rounds, sequences and trie nodes per microbatch, compression, calls per layer."""
+    plan, batch = run.plan, run.batch
     stats = plan.stats
-    layouts = [plan.layout(k) for k in range(len(plan.module.microbatches))]
+    layouts = list(plan.layouts)
     compact_rows = sum(layout.num_rows for layout in layouts)
     rounds = [layout.num_rounds for layout in layouts]
     sequences = [layout.num_sequences for layout in layouts]
     trie_nodes = [TrieNodes.from_layout(layout) for layout in layouts]
     nodes = [n.num_nodes for n in trie_nodes]
     # node starts past position 0 that are not multiples of B: where node-at-a-time's chunk grid shifts
-    off_grid = [int(np.count_nonzero(n.position % chunk_size)) for n in trie_nodes]
+    off_grid = [int(np.count_nonzero(n.position % plan.chunk_size)) for n in trie_nodes]
     # full attention shares less than rows do: every branch's queries still see its whole prefix
     pair_compression = causal_attention_pairs(batch.lengths) / plan_attention_pairs(layouts)
     say(f"plan: {plan_seconds:.2f} s, {len(layouts)} microbatch(es), {compact_rows} compact rows, "
         f"compression {batch.semantic_tokens / compact_rows:.3f} (attention query-key pairs {pair_compression:.3f}), "
         f"rounds {rounds}, replay {stats.get('replay_tokens')}, trie nodes {nodes} ({off_grid} off the chunk grid)")
-
-    groups = baseline_microbatches(batch.lengths, args.capacity)
-    say(f"baseline: {len(groups)} microbatch(es) of <= {args.capacity} raw tokens")
-
-    results: dict = {
-        "config": {k: v for k, v in vars(args).items()},
-        "model": {"preset": args.preset, "layers": config.num_layers, "layer_types": list(config.layer_types),
-                  "parameters": params, "dtype": config.dtype, "chunk_size": chunk_size},
-        "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
-        "torch": torch.__version__,
-        "fla": fla_ready,
-        "first_step_seconds": first_step_seconds,
-        "workload": {"trajectories": num_trajectories, "raw_tokens": int(batch.semantic_tokens),
-                     "trees": len(set(np.asarray(batch.tree_ids).tolist()))},
+    return {
         "plan": {"seconds": plan_seconds, "first_compile_seconds": first_plan_seconds,
                  "microbatches": len(layouts), "compact_rows": compact_rows,
                  "replay_tokens": stats.get("replay_tokens"), "rounds_per_microbatch": rounds,
@@ -740,13 +803,16 @@ def main(argv=None) -> dict:
             "note": "per linear-attention layer; harts = rounds, sequence_at_a_time = input sequences, "
                     "node_at_a_time = trie nodes (maximal fork-free runs) of the microbatch",
         },
-        "baseline_microbatches": len(groups),
     }
 
+
+def _measure_passes(run: _Run):
+    """F/B/Grad of the stock-fla baseline, the baseline on HARTS' kernels and HARTS; their log-probs."""
+    args, model, results, chunk_size = run.args, run.model, run.results, run.args.chunk_size
     baseline_fla, baseline_lp = measure(
         "baseline (stock fla)",
-        lambda collect: baseline_pass(model, batch, groups, chunk_size, stock, num_trajectories, collect),
-        model, device, args.warmup, args.repeats)
+        lambda collect: baseline_pass(model, run.batch, run.groups, chunk_size, run.stock, run.num_trajectories, collect),
+        model, run.device, args.warmup, args.repeats)
     # kept on the host so that the HARTS peak-memory figure does not carry a second set of gradients
     baseline_grads = [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in model.parameters()]
     model.zero_grad(set_to_none=True)
@@ -754,136 +820,167 @@ def main(argv=None) -> dict:
     if not args.no_own_baseline:
         own, _ = measure(
             "baseline (HARTS kernels)",
-            lambda collect: baseline_pass(model, batch, groups, chunk_size, kernels, num_trajectories, False),
-            model, device, args.warmup, args.repeats)
+            lambda collect: baseline_pass(model, run.batch, run.groups, chunk_size, run.kernels, run.num_trajectories, False),
+            model, run.device, args.warmup, args.repeats)
         results["baseline"] = own
         model.zero_grad(set_to_none=True)
-
     harts_result, harts_lp = measure(
-        "harts", lambda collect: harts_pass(model, plan, batch, kernels, num_trajectories, collect),
-        model, device, args.warmup, args.repeats)
+        "harts", lambda collect: harts_pass(model, run.plan, run.batch, run.kernels, run.num_trajectories, collect),
+        model, run.device, args.warmup, args.repeats)
     results["harts"] = harts_result
     results["gradient_cosine"] = gradient_agreement(baseline_grads, model)
     del baseline_grads
+    plan_seconds = results["plan"]["seconds"]
     results["core"] = {"mean_seconds": plan_seconds + harts_result["mean_seconds"], "plan_seconds": plan_seconds}
     if baseline_lp is not None and harts_lp is not None:
         deltas = [float((baseline_lp[t] - harts_lp[t]).abs().mean()) for t in baseline_lp]
         results["mean_abs_logprob_delta"] = float(np.mean(deltas))
     results["loss_delta"] = abs(baseline_fla["loss"] - harts_result["loss"])
+    return baseline_lp, harts_lp
 
-    if not args.no_ablation:
-        ablation, _ = measure(
-            "sequence-at-a-time",
-            lambda collect: harts_pass(model, plan, batch, SequenceAtATime(args.kernels), num_trajectories, False),
-            model, device, min(args.warmup, 1), max(1, min(args.repeats, 1)))
-        results["sequence_at_a_time"] = ablation
-        node_result, node_lp = measure(
-            "node-at-a-time",
-            lambda collect: harts_pass(model, plan, batch, kernels, num_trajectories, collect, view_type=NodeAtATimeView),
-            model, device, min(args.warmup, 1), max(1, min(args.repeats, 1)))
-        results["node_at_a_time"] = node_result
-        if baseline_lp is not None and node_lp is not None:
-            deltas = [float((baseline_lp[t] - node_lp[t]).abs().mean()) for t in baseline_lp]
-            results["node_at_a_time_mean_abs_logprob_delta"] = float(np.mean(deltas))
-    model.zero_grad(set_to_none=True)
 
-    if not args.no_fidelity:
-        say("fidelity: hidden states of the stock-fla baseline, its rerun, repacked, and HARTS ...")
-        reference = hidden_by_trajectory_baseline(model, batch, groups, chunk_size, stock)
-        rerun = hidden_by_trajectory_baseline(model, batch, groups, chunk_size, stock)
-        # same math, other packing (each trajectory alone): the rounding noise of a different
-        # but equally valid execution, a noise floor that a deterministic rerun cannot show
-        repacked = hidden_by_trajectory_baseline(model, batch, [[i] for i in range(num_trajectories)], chunk_size, stock)
-        compact = hidden_by_trajectory_harts(model, plan, batch, kernels)
-        cosine, nll = logit_agreement(model, reference, compact, batch, args.fidelity_rows)
-        rerun_cosine, rerun_nll = logit_agreement(model, reference, rerun, batch, args.fidelity_rows)
-        repack_cosine, repack_nll = logit_agreement(model, reference, repacked, batch, args.fidelity_rows)
-        results["fidelity"] = {"cosine": cosine, "rerun_cosine": rerun_cosine, "repack_cosine": repack_cosine,
+def _measure_ablations(run: _Run, baseline_lp) -> None:
+    """Sequence-at-a-time and node-at-a-time on the same plan and rows."""
+    args, model = run.args, run.model
+    ablation, _ = measure(
+        "sequence-at-a-time",
+        lambda collect: harts_pass(model, run.plan, run.batch, SequenceAtATime(args.kernels), run.num_trajectories, False),
+        model, run.device, min(args.warmup, 1), max(1, min(args.repeats, 1)))
+    run.results["sequence_at_a_time"] = ablation
+    node_result, node_lp = measure(
+        "node-at-a-time",
+        lambda collect: harts_pass(model, run.plan, run.batch, run.kernels, run.num_trajectories, collect,
+                                   view_type=NodeAtATimeView),
+        model, run.device, min(args.warmup, 1), max(1, min(args.repeats, 1)))
+    run.results["node_at_a_time"] = node_result
+    if baseline_lp is not None and node_lp is not None:
+        deltas = [float((baseline_lp[t] - node_lp[t]).abs().mean()) for t in baseline_lp]
+        run.results["node_at_a_time_mean_abs_logprob_delta"] = float(np.mean(deltas))
+
+
+def _measure_fidelity(run: _Run) -> None:
+    """Logit cosine and |dNLL| of HARTS, a rerun and a repacked baseline against the stock-fla baseline."""
+    args, model, batch, chunk_size = run.args, run.model, run.batch, run.args.chunk_size
+    say("fidelity: hidden states of the stock-fla baseline, its rerun, repacked, and HARTS ...")
+    reference = hidden_by_trajectory_baseline(model, batch, run.groups, chunk_size, run.stock)
+    rerun = hidden_by_trajectory_baseline(model, batch, run.groups, chunk_size, run.stock)
+    # same math, other packing (each trajectory alone): the rounding noise of a different
+    # but equally valid execution, a noise floor that a deterministic rerun cannot show
+    repacked = hidden_by_trajectory_baseline(model, batch, [[i] for i in range(run.num_trajectories)], chunk_size, run.stock)
+    compact = hidden_by_trajectory_harts(model, run.plan, batch, run.kernels)
+    cosine, nll = logit_agreement(model, reference, compact, batch, args.fidelity_rows)
+    rerun_cosine, rerun_nll = logit_agreement(model, reference, rerun, batch, args.fidelity_rows)
+    repack_cosine, repack_nll = logit_agreement(model, reference, repacked, batch, args.fidelity_rows)
+    run.results["fidelity"] = {"cosine": cosine, "rerun_cosine": rerun_cosine, "repack_cosine": repack_cosine,
                                "mean_abs_delta_nll": nll, "rerun_mean_abs_delta_nll": rerun_nll,
                                "repack_mean_abs_delta_nll": repack_nll}
-        say(f"fidelity: cosine {cosine:.8f} (rerun {rerun_cosine:.8f}, repacked baseline {repack_cosine:.8f}), "
-            f"|dNLL| {nll:.3e} (rerun {rerun_nll:.3e}, repacked {repack_nll:.3e})")
-        if not args.no_replay_ablation:
-            say("replay ablation: no-replay hidden states and divergence by state-handoff depth ...")
-            forks = fork_positions(plan.module.trie)
-            depths = {i: handoff_depths(forks[i], len(batch.tokens[i])) for i in range(num_trajectories)}
-            no_replay = hidden_by_trajectory_baseline(model, batch, groups, chunk_size, kernels, forks)
-            ablation_table = {
-                name: divergence_by_depth(model, reference, other, batch.tokens, depths, block_rows=args.fidelity_rows)
-                for name, other in (("rerun", rerun), ("repacked", repacked), ("replay", compact), ("no_replay", no_replay))
-            }
-            results["replay_ablation"] = ablation_table
-            for d in range(6):
-                row = ablation_table["replay"][d]
-                say(f"  depth {d} ({row['tokens']} tokens): SymKL rerun {ablation_table['rerun'][d]['symkl']:.3e} "
-                    f"replay {row['symkl']:.3e} no-replay {ablation_table['no_replay'][d]['symkl']:.3e}; |dNLL| rerun "
-                    f"{ablation_table['rerun'][d]['mean_abs_delta_nll']:.3e} replay {row['mean_abs_delta_nll']:.3e} "
-                    f"no-replay {ablation_table['no_replay'][d]['mean_abs_delta_nll']:.3e}")
-            del no_replay
-        del reference, rerun, repacked, compact
+    say(f"fidelity: cosine {cosine:.8f} (rerun {rerun_cosine:.8f}, repacked baseline {repack_cosine:.8f}), "
+        f"|dNLL| {nll:.3e} (rerun {rerun_nll:.3e}, repacked {repack_nll:.3e})")
+    if not args.no_replay_ablation:
+        _replay_ablation(run, {"rerun": rerun, "repacked": repacked, "replay": compact}, reference)
 
-    reference_seconds = baseline_fla["mean_seconds"]
-    results["speedup_vs_fla_baseline"] = reference_seconds / harts_result["mean_seconds"]
+
+def _replay_ablation(run: _Run, hidden: dict, reference) -> None:
+    """Divergence from the baseline by state-handoff depth, with replay (HARTS) and without (Eq. 25-26)."""
+    say("replay ablation: no-replay hidden states and divergence by state-handoff depth ...")
+    batch, model = run.batch, run.model
+    forks = fork_positions(run.plan.module.trie)
+    depths = {i: handoff_depths(forks[i], len(batch.tokens[i])) for i in range(run.num_trajectories)}
+    hidden = dict(hidden, no_replay=hidden_by_trajectory_baseline(model, batch, run.groups, run.args.chunk_size,
+                                                                  run.kernels, forks))
+    table = {name: divergence_by_depth(model, reference, other, batch.tokens, depths, block_rows=run.args.fidelity_rows)
+             for name, other in hidden.items()}
+    run.results["replay_ablation"] = table
+    for d in range(6):
+        row = table["replay"][d]
+        say(f"  depth {d} ({row['tokens']} tokens): SymKL rerun {table['rerun'][d]['symkl']:.3e} "
+            f"replay {row['symkl']:.3e} no-replay {table['no_replay'][d]['symkl']:.3e}; |dNLL| rerun "
+            f"{table['rerun'][d]['mean_abs_delta_nll']:.3e} replay {row['mean_abs_delta_nll']:.3e} "
+            f"no-replay {table['no_replay'][d]['mean_abs_delta_nll']:.3e}")
+
+
+def _speedups(results: dict) -> None:
+    reference_seconds = results["baseline_fla"]["mean_seconds"]
+    harts_seconds = results["harts"]["mean_seconds"]
+    results["speedup_vs_fla_baseline"] = reference_seconds / harts_seconds
     results["core_vs_fla_baseline"] = reference_seconds / results["core"]["mean_seconds"]
     if "baseline" in results:
-        results["speedup_vs_own_baseline"] = results["baseline"]["mean_seconds"] / harts_result["mean_seconds"]
+        results["speedup_vs_own_baseline"] = results["baseline"]["mean_seconds"] / harts_seconds
         results["own_baseline_vs_fla_baseline"] = results["baseline"]["mean_seconds"] / reference_seconds
     if "sequence_at_a_time" in results:
         results["sequence_at_a_time_speedup"] = reference_seconds / results["sequence_at_a_time"]["mean_seconds"]
     if "node_at_a_time" in results:
         results["node_at_a_time_speedup"] = reference_seconds / results["node_at_a_time"]["mean_seconds"]
-        results["harts_vs_node_at_a_time_speedup"] = results["node_at_a_time"]["mean_seconds"] / harts_result["mean_seconds"]
+        results["harts_vs_node_at_a_time_speedup"] = results["node_at_a_time"]["mean_seconds"] / harts_seconds
 
-    # written and printed before the optional diagnostics, so a run cut short in them keeps its figures
-    write_results(args.out, results)
+
+def _print_headline(results: dict) -> None:
     fidelity = results.get("fidelity", {})
     print(
         f"headline-fla: compression={results['compression']:.4f} "
         f"speedup_vs_fla_baseline={results['speedup_vs_fla_baseline']:.4f} "
         f"core_vs_fla_baseline={results['core_vs_fla_baseline']:.4f} "
         f"speedup_vs_own_baseline={results.get('speedup_vs_own_baseline', float('nan')):.4f} "
-        f"cosine={fidelity.get('cosine', float('nan')):.8f} first_step_seconds={first_step_seconds:.1f}",
+        f"cosine={fidelity.get('cosine', float('nan')):.8f} first_step_seconds={results['first_step_seconds']:.1f}",
         flush=True,
     )
 
-    if args.sync_debug and device.type == "cuda":
-        with SyncSites() as syncs:
-            harts_pass(model, plan, batch, kernels, num_trajectories)
-            synchronize(device)
-        model.zero_grad(set_to_none=True)
-        results["harts_sync_sites"] = syncs.table()
-        say(f"harts: {sum(syncs.sites.values())} host-device synchronisations in one pass:\n"
-            + "\n".join(f"  {row['count']:>6}  {row['site']}" for row in results["harts_sync_sites"][:20]))
-        write_results(args.out, results)
 
-    if args.profile:
-        run_baseline = lambda: baseline_pass(model, batch, groups, chunk_size, stock, num_trajectories)  # noqa: E731
-        run_harts = lambda: harts_pass(model, plan, batch, kernels, num_trajectories)  # noqa: E731
-        passes = (("baseline", run_baseline), ("harts", run_harts)) if args.profile == "both" else (("harts", run_harts),)
-        by_family, results["profile_kernels"] = {}, {}
-        for name, run in passes:
-            profiler, wall = profile_pass(name, run, model)
-            by_family[name] = seconds_by_family(profiler, device.type)
-            kernels_table = seconds_by_kernel(profiler, device.type)
-            busy = sum(row["seconds"] for row in kernels_table)
-            gaps = idle_gaps(kernel_intervals(profiler)) if device.type == "cuda" else None
-            results["profile_kernels"][name] = {"wall_seconds": wall, "busy_seconds": busy, "kernels": kernels_table,
-                                                "device_gaps": gaps}
-            say(f"{name}: {wall:.3f} s wall under the profiler, {busy:.3f} s of kernels ({wall - busy:+.3f} s idle or overlapped)")
-            if gaps is not None:
-                say(f"{name}: device idle {gaps['idle_us'] * 1e-6:.3f} s between its first and last kernel: "
-                    + ", ".join(f"{label} {row['idle_us'] * 1e-6:.3f} s in {row['gaps']} gaps"
-                                for label, row in gaps["by_gap"].items()))
-            del profiler
-            write_results(args.out, results)
-        if "baseline" in by_family:
-            results["profile_by_family"] = excess_over_compression(
-                by_family["baseline"], by_family["harts"], results["compression"],
-                {"full attention": results["attention_pair_compression"]})
-            say("where HARTS spends more than baseline / compression (self time by operator family, one pass each):\n"
-                + format_excess(results["profile_by_family"]))
-            write_results(args.out, results)
-    return results
+def _time_train_steps(run: _Run) -> None:
+    """``--train-step``: ``Trainer.step`` in both modes on this run's model, plan and batch."""
+    say("the training step (harts.train.Trainer.step, as `harts train` runs it) in both modes ...")
+    run.results["train_step"] = train_step_figures(run.model, run.plan, run.batch, kernels=run.kernels,
+                                                   baseline_kernels=run.stock, warmup=run.args.warmup,
+                                                   repeats=run.args.repeats, say=say)
+    write_results(run.args.out, run.results)
+    print(headline_train_line(run.results), flush=True)
+
+
+def _count_syncs(run: _Run) -> None:
+    """``--sync-debug``: one HARTS pass's host-device synchronisations by source line."""
+    with SyncSites() as syncs:
+        harts_pass(run.model, run.plan, run.batch, run.kernels, run.num_trajectories)
+        synchronize(run.device)
+    run.model.zero_grad(set_to_none=True)
+    run.results["harts_sync_sites"] = syncs.table()
+    say(f"harts: {sum(syncs.sites.values())} host-device synchronisations in one pass:\n"
+        + "\n".join(f"  {row['count']:>6}  {row['site']}" for row in run.results["harts_sync_sites"][:20]))
+    write_results(run.args.out, run.results)
+
+
+def _profile(run: _Run) -> None:
+    """``--profile``: torch.profiler tables of a baseline and a HARTS pass, by operator family and kernel."""
+    args, model, results, device = run.args, run.model, run.results, run.device
+    run_baseline = lambda: baseline_pass(model, run.batch, run.groups, args.chunk_size, run.stock, run.num_trajectories)  # noqa: E731
+    run_harts = lambda: harts_pass(model, run.plan, run.batch, run.kernels, run.num_trajectories)  # noqa: E731
+    passes = (("baseline", run_baseline), ("harts", run_harts)) if args.profile == "both" else (("harts", run_harts),)
+    by_family, results["profile_kernels"] = {}, {}
+    for name, one_pass in passes:
+        profiler, wall = profile_pass(name, one_pass, model)
+        by_family[name] = seconds_by_family(profiler, device.type)
+        kernels_table = seconds_by_kernel(profiler, device.type)
+        busy = sum(row["seconds"] for row in kernels_table)
+        gaps = idle_gaps(kernel_intervals(profiler)) if device.type == "cuda" else None
+        results["profile_kernels"][name] = {"wall_seconds": wall, "busy_seconds": busy, "kernels": kernels_table,
+                                            "device_gaps": gaps}
+        say(f"{name}: {wall:.3f} s wall under the profiler, {busy:.3f} s of kernels ({wall - busy:+.3f} s idle or overlapped)")
+        if gaps is not None:
+            say(f"{name}: device idle {gaps['idle_us'] * 1e-6:.3f} s between its first and last kernel: "
+                + ", ".join(f"{label} {row['idle_us'] * 1e-6:.3f} s in {row['gaps']} gaps"
+                            for label, row in gaps["by_gap"].items()))
+        del profiler
+        write_results(args.out, results)
+    if "baseline" in by_family:
+        results["profile_by_family"] = excess_over_compression(
+            by_family["baseline"], by_family["harts"], results["compression"],
+            {"full attention": results["attention_pair_compression"]})
+        say("where HARTS spends more than baseline / compression (self time by operator family, one pass each):\n"
+            + format_excess(results["profile_by_family"]))
+        results["refined_limit"] = refined_limit(results["profile_by_family"])
+        results["fraction_of_refined_limit"] = results["speedup_vs_fla_baseline"] / results["refined_limit"]
+        say(f"refined limit (each family at its own compression): {results['refined_limit']:.3f}x; "
+            f"the headline's {results['speedup_vs_fla_baseline']:.3f}x is {results['fraction_of_refined_limit']:.3f} of it")
+        write_results(args.out, results)
 
 
 def console_main() -> None:

@@ -53,7 +53,7 @@ class _ProgramBuilder:
         self.root = torch.nn.Module()
 
     def buffer(self, name: str, values: np.ndarray | list[int]) -> torch.fx.Node:
-        self.root.register_buffer(name, torch.as_tensor(np.asarray(values, dtype=np.int64)))
+        self.root.register_buffer(name, torch.tensor(np.asarray(values, dtype=np.int64)))
         return self.graph.get_attr(name)
 
     def call(self, target, args: tuple, kwargs: dict | None = None, name: str | None = None) -> torch.fx.Node:

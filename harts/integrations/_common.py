@@ -82,8 +82,8 @@ def scalar_temperature(value, where: str) -> float:
     return float(value)
 
 
-def compile_for(batch: harts.RolloutBatch, model: nn.Module, capacity: int | None) -> harts.Plan:
+def compile_for(batch: harts.RolloutBatch, capacity: int | None) -> harts.Plan:
     """One plan for the framework's batch: microbatches of at most ``capacity`` compact rows (all in one when None)."""
     longest = int(batch.lengths.max(initial=1))
     capacity = max(int(capacity or batch.semantic_tokens), longest)
-    return harts.compile(batch, capacity=capacity, dp_size=1, chunk_size=model.config.chunk_size)
+    return harts.compile(batch, capacity=capacity, dp_size=1)

@@ -79,7 +79,7 @@ class HartsPPOActor(FSDPPPOActor):
         """(packed micro-batch dict, log-probs, entropies) per microbatch of one plan over ``data``."""
         model = self.harts_model()
         batch = actor_batch(data)
-        plan = compile_for(batch, model, self._capacity(batch))
+        plan = compile_for(batch, self._capacity(batch))
         for microbatch in plan.module.microbatches:
             members = list(microbatch.trajectories)
             with torch.enable_grad() if grad else torch.no_grad():

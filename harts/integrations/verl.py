@@ -128,7 +128,7 @@ class HartsEngine(FSDPEngineWithLMHead):
         self._global_batch_info(data)
         model = self.harts_model()
         batch = worker_batch(data)
-        plan = compile_for(batch, model, self._capacity(data, batch))
+        plan = compile_for(batch, self._capacity(data, batch))
         temperature = scalar_temperature(data["temperature"], "verl batch, key 'temperature'")
         with_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
         per_trajectory: dict[str, list[torch.Tensor | None]] = {"log_probs": [None] * len(batch)}

@@ -5,20 +5,20 @@
     out = harts.runtime.log_probs(model, plan, batch)
     log_prob = harts.interop.to_layout(out, batch, "verl")   # [B, R], as verl's actor returns it
 
-Layouts: :mod:`harts.interop.layouts`; importers: :mod:`harts.interop.importers`; saved
+Layouts: :mod:`harts.interop.framework_layouts`; importers: :mod:`harts.interop.importers`; saved
 batches (``.pt``, ``.parquet``, ``.jsonl``): :func:`read_framework_file`.
 """
 
 from harts.interop.files import FRAMEWORKS, read_framework_batch, read_framework_file
+from harts.interop.framework_layouts import LAYOUTS, PROMPT_LENGTH, FrameworkLayout, LayoutError, layout_spec, to_layout
 from harts.interop.importers import from_areal, from_trl, from_verl
-from harts.interop.layouts import LAYOUTS, PROMPT_LENGTH, LayoutError, LayoutSpec, layout_spec, to_layout
 
 __all__ = [
     "FRAMEWORKS",
+    "FrameworkLayout",
     "LAYOUTS",
     "PROMPT_LENGTH",
     "LayoutError",
-    "LayoutSpec",
     "from_areal",
     "from_trl",
     "from_verl",

@@ -106,11 +106,15 @@ def _read_torch(path: Path) -> dict[str, Any]:
 
     import torch
 
+    if path.stat().st_size == 0:
+        raise RolloutInputError(f"{path}: the file is empty; expected a torch.save of a dict of tensors")
     if _is_dataproto(path):
         return _read_dataproto(path)
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
+    # torch.load's errors on damaged files: UnpicklingError, RuntimeError (zip), EOFError, and for
+    # truncated or foreign bytes IndexError, KeyError, ValueError
+    except (pickle.UnpicklingError, RuntimeError, EOFError, IndexError, KeyError, ValueError) as error:
         raise RolloutInputError(
             f"{path}: not a torch file of tensors that can be read safely ({str(error).splitlines()[0]}); save a plain "
             "dict of tensors, e.g. torch.save(dict(data.batch), path)"
@@ -133,14 +137,23 @@ def _read_parquet(path: Path) -> dict[str, Any]:
 def _read_jsonl(path: Path) -> dict[str, Any]:
     columns: dict[str, list[Any]] = {}
     keys: list[str] | None = None
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise RolloutInputError(
+                    f"{path}, line {number}: not UTF-8 text (byte {raw[error.start]:#04x} at column {error.start}); "
+                    "JSON Lines are UTF-8: re-encode the file"
+                ) from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as error:
                 raise RolloutInputError(f"{path}, line {number}: not JSON ({error.msg})") from None
+            except RecursionError:
+                raise RolloutInputError(f"{path}, line {number}: nested too deeply to be a batch row") from None
             if not isinstance(row, dict):
                 raise RolloutInputError(f"{path}, line {number}: expected an object (one trajectory), got {type(row).__name__}")
             if keys is None:

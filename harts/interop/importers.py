@@ -53,7 +53,7 @@ import numpy as np
 
 from harts.rollouts.batch import ROUTED_EXPERTS, RolloutBatch
 from harts.errors import RolloutInputError
-from harts.interop.layouts import PROMPT_LENGTH
+from harts.interop.framework_layouts import PROMPT_LENGTH
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +116,16 @@ def _items(d: Any, framework: str) -> dict[str, Any]:
 
 def _columns(d: Any, framework: str, ignore: Iterable[str]) -> dict[str, np.ndarray]:
     skipped = set(ignore)
+    items = _items(d, framework)
+    unknown = sorted(skipped - set(items))
+    if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], [str(key) for key in items], n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"keys: {', '.join(sorted(map(str, items)))}"
+        raise RolloutInputError(f"{framework} batch: --ignore '{unknown[0]}' names no key of the batch; {hint}")
     out = {}
-    for key, value in _items(d, framework).items():
+    for key, value in items.items():
         if key in skipped or value is None:
             continue
         array = _array(value, f"{framework} batch, key '{key}'")
@@ -140,7 +148,15 @@ def _check_shape(array: np.ndarray, shape: tuple[int, ...], key: str, framework:
 
 
 def _run(mask_row: np.ndarray, *, left: bool, where: str) -> int:
-    """Length of the valid run of a padded row: a suffix (left padding) or a prefix (right padding)."""
+    """Length of the valid run of a padded row: a suffix (left padding) or a prefix (right padding).
+
+    Every entry must be 0 or 1: read as booleans, -1, 2 or 0.5 would count padding as real tokens."""
+    if mask_row.dtype.kind != "b":
+        with np.errstate(invalid="ignore"):
+            outside = (mask_row != 0) & (mask_row != 1)
+        if outside.any():
+            column = int(np.flatnonzero(outside)[0])
+            raise RolloutInputError(f"{where}: column {column} is {mask_row[column].item()!r}; a mask holds 0 (padding) or 1 (token)")
     valid = mask_row.astype(bool)
     count = int(valid.sum())
     width = len(valid)
@@ -198,10 +214,16 @@ def _token_ids(array: np.ndarray, key: str, framework: str) -> np.ndarray:
 
 
 def _per_trajectory(columns: Mapping[str, np.ndarray], used: set[str], count: int, framework: str, rows: _Rows) -> set[str]:
-    """Move the [B] entries into per-trajectory fields; return their keys."""
+    """Move the [B] entries, and the sequence-level [B, 1] ones (vLLM's ``importance_sampling_ratio``), into
+    per-trajectory fields; return their keys. Called after the per-token keys are taken, so a [B, 1] field of a
+    batch whose rows are one token wide stays per token."""
     taken = set()
     for key, array in columns.items():
-        if key in used or array.ndim != 1 or array.dtype == object:
+        if key in used or array.dtype == object:
+            continue
+        if array.ndim == 2 and array.shape[1] == 1:
+            array = array[:, 0]
+        if array.ndim != 1:
             continue
         if array.shape[0] != count:
             raise RolloutInputError(f"{framework} batch, key '{key}': {array.shape[0]} entries for {count} rows")
@@ -442,6 +464,20 @@ _AREAL_AFTER_ADVANTAGES = {"loss_mask", "logprobs", "advantages", "returns", "va
 _AREAL_STRUCTURE = {"input_ids", "attention_mask", "cu_seqlens", "position_ids", ROUTED_EXPERTS}
 
 
+def _integer_offsets(values: np.ndarray, where: str) -> np.ndarray:
+    """Offsets as int64, refusing entries that are not whole numbers (2.7 would be truncated silently)."""
+    if values.dtype.kind in "iu":
+        return values.astype(np.int64)
+    if values.dtype.kind != "f":
+        raise RolloutInputError(f"{where}: expected integer offsets, got dtype {values.dtype}")
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(values) | (values != np.round(values)) | (np.abs(values) > 2**53)
+    if bad.any():
+        index = int(np.flatnonzero(bad)[0])
+        raise RolloutInputError(f"{where}: entry {index} is {values[index].item()!r}, not a whole number of tokens")
+    return values.astype(np.int64)
+
+
 def _areal_rows(columns: Mapping[str, np.ndarray]) -> tuple[list[np.ndarray], str]:
     """Token index lists (into the flattened per-token arrays) of every trajectory, and the batch's form."""
     input_ids = _require(columns, "input_ids", "areal")
@@ -450,7 +486,7 @@ def _areal_rows(columns: Mapping[str, np.ndarray]) -> tuple[list[np.ndarray], st
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         return [np.arange(offsets[i], offsets[i + 1]) for i in range(len(lengths))], "rows"
     if input_ids.ndim == 1:
-        cu = _require(columns, "cu_seqlens", "areal").astype(np.int64)
+        cu = _integer_offsets(_require(columns, "cu_seqlens", "areal"), "areal batch, key 'cu_seqlens'")
         if cu.ndim != 1 or cu[0] != 0 or cu[-1] != input_ids.shape[0] or np.any(np.diff(cu) < 0):
             raise RolloutInputError(f"areal batch, key 'cu_seqlens': not offsets from 0 to the {input_ids.shape[0]} packed tokens")
         return [np.arange(cu[i], cu[i + 1]) for i in range(len(cu) - 1)], "packed"
@@ -471,7 +507,14 @@ def _flat(array: np.ndarray, form: str, key: str, token_count: int, trailing: in
     if form == "rows":
         if array.dtype != object and array.ndim < 2 or array.dtype == object and len(array) and isinstance(array[0], (str, bytes)):
             return None  # per trajectory
-        flat = np.concatenate([np.asarray(row) for row in array]) if len(array) else np.zeros(0)
+        try:
+            flat = np.concatenate([np.asarray(row) for row in array]) if len(array) else np.zeros(0)
+        except ValueError:
+            shapes = sorted({np.shape(row)[1:] for row in array}, key=str)
+            raise RolloutInputError(
+                f"areal batch, key '{key}': its rows are ragged (per-token entries of shapes {', '.join(map(str, shapes))}); "
+                "give one value (or one array of one shape) per token"
+            ) from None
     elif form == "packed":
         flat = array
     else:
@@ -535,7 +578,7 @@ def from_areal(d: Any, *, rolled: bool, ignore: Iterable[str] = ()) -> RolloutBa
     if not isinstance(rolled, bool):
         raise RolloutInputError(f"from_areal: rolled= must be True or False, got {rolled!r}")
     if isinstance(d, (list, tuple)):
-        d = _areal_list(d, ignore)
+        d, ignore = _areal_list(d, ignore), ()  # the ignored keys are left out entry by entry
     framework = "areal"
     columns = _columns(d, framework, ignore)
     token_rows, form = _areal_rows(columns)

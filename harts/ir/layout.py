@@ -186,10 +186,16 @@ class ArithmeticRuns:
 
 
 def _index_array(value: Any) -> np.ndarray:
-    """A layout array: flat int64 (runs read from the IR text are expanded here)."""
-    if isinstance(value, ArithmeticRuns):
-        return value.decode()
-    return np.asarray(value, dtype=np.int64).reshape(-1)
+    """A layout array: flat int64, read-only (runs read from the IR text are expanded here).
+
+    Read-only because layouts are immutable IR: the runtime caches what it derives from a
+    layout (programs, device tensors) by the layout's identity, so a write would leave those
+    stale. The flag is set on a view: the array handed in is not changed.
+    """
+    array = value.decode() if isinstance(value, ArithmeticRuns) else np.asarray(value, dtype=np.int64).reshape(-1)
+    array = array.view()
+    array.flags.writeable = False
+    return array
 
 
 def _array_field() -> Any:
@@ -201,8 +207,9 @@ class MicrobatchLayout:
     """The compact physical ordering of one microbatch and the index lists derived from it.
 
     Frozen and free of caches: what the runtime derives from a layout (generated programs,
-    device tensors) lives in the runtime (:mod:`harts.runtime.programs`). Two layouts are
-    equal when every array is; layouts are not hashable.
+    device tensors) lives in the runtime (:mod:`harts.runtime.programs`). Every array is
+    read-only (writing one raises ``ValueError``). Two layouts are equal when every array is;
+    layouts are not hashable.
     """
 
     microbatch: int

@@ -21,7 +21,8 @@ from typing import Any
 
 import attrs
 
-from harts.fsio import foreign_entries, replace_directory
+from harts.errors import OutputError
+from harts.fsio import CHECKPOINT, check_output, foreign_entries, replace_directory
 from harts.models.hf import (
     ARCHITECTURES,
     HFModelError,
@@ -81,9 +82,10 @@ def save_pretrained(model: HybridModel, directory: str | os.PathLike[str], *, ar
     from harts import __version__
 
     path = Path(directory)
-    why = _why_not_ours(path) if (path.exists() or path.is_symlink()) else None
-    if why is not None:
-        raise HFModelError(f"cannot save the checkpoint to {path}: it exists and {why}; it was left untouched")
+    try:
+        check_output(path, CHECKPOINT)  # the output-ownership rule: new, empty, or a checkpoint HARTS wrote
+    except OutputError as error:
+        raise HFModelError(str(error)) from None
     chosen = _architecture_of(model.config, architecture or _source_architecture(model))
     source = getattr(model, "hf_source", None)
     kept = dict(source.config) if isinstance(source, HFSource) else {}
@@ -92,7 +94,7 @@ def save_pretrained(model: HybridModel, directory: str | os.PathLike[str], *, ar
     fields.update(config_fields)
     hf_config = to_hf_config(model.config, chosen, **fields)
     hf_config.architectures = [ARCHITECTURES[chosen]]
-    described = hybrid_config_from_hf(hf_config, chunk_size=model.config.chunk_size, dtype=model.config.dtype)
+    described = hybrid_config_from_hf(hf_config, dtype=model.config.dtype)
     differing = _differing_fields(described, model.config)
     if differing:
         raise HFModelError(f"the transformers config of this model would describe another model (fields {', '.join(differing)} differ)")

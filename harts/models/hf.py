@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from harts.errors import HartsError
-from harts.runtime.config import HybridConfig, HybridConfigError
+from harts.runtime.config import CHUNK_SIZE_IS_THE_PLANS, HybridConfig, HybridConfigError
 from harts.runtime.layers import ShortConvolution
 from harts.runtime.model import HybridModel
 
@@ -335,11 +335,10 @@ def _kimi_linear_fields(hf_config: Any) -> dict[str, Any]:
     return fields
 
 
-def hybrid_config_from_hf(hf_config: Any, *, chunk_size: int = 64, dtype: Any = None) -> HybridConfig:
+def hybrid_config_from_hf(hf_config: Any, *, dtype: Any = None) -> HybridConfig:
     """The :class:`HybridConfig` of a transformers Qwen3-Next or Kimi Linear config.
 
-    ``dtype`` defaults to the config's ``dtype`` (float32 when unset); ``chunk_size`` is the
-    linear-attention chunk size HARTS plans for. Raises :class:`HFModelError` naming the
+    ``dtype`` defaults to the config's ``dtype`` (float32 when unset). Raises :class:`HFModelError` naming the
     field for anything HARTS does not reproduce exactly.
     """
     model_type = _model_type(hf_config)
@@ -348,7 +347,6 @@ def hybrid_config_from_hf(hf_config: Any, *, chunk_size: int = 64, dtype: Any = 
     # `torch_dtype` is the pre-v5 name; reading it on a v5 config only logs a deprecation
     config_dtype = getattr(hf_config, "dtype", None) if hasattr(hf_config, "dtype") else getattr(hf_config, "torch_dtype", None)
     fields["dtype"] = _dtype_name(dtype if dtype is not None else config_dtype, f"{model_type} config field 'dtype'")
-    fields["chunk_size"] = chunk_size
     fields["tie_word_embeddings"] = _ties_embeddings(hf_config, model_type)
     try:
         return HybridConfig(**fields)
@@ -421,47 +419,71 @@ def _source_architecture(model: nn.Module) -> str | None:
 # --------------------------------------------------------------------------- from_hf
 
 
-def from_hf(source: Any, *, chunk_size: int = 64, dtype: Any = None) -> HybridModel:
+def from_hf(source: Any, *, dtype: Any = None, **unsupported: Any) -> HybridModel:
     """A :class:`HybridModel` with the math and weights of a transformers Qwen3-Next or Kimi Linear model.
 
     ``source`` is a model instance (``Qwen3NextForCausalLM`` / ``KimiLinearForCausalLM``;
     weights are copied, the returned model lives on the same device), a transformers
     config (a freshly initialised model with the transformers initialisation scheme) or a
     local directory (``from_pretrained(..., local_files_only=True)``; a directory without
-    weights is read as a config). ``dtype`` overrides the dtype of a config or a path;
-    ``chunk_size`` is the linear-attention chunk size HARTS plans for.
+    weights is read as a config). ``dtype`` overrides the dtype of a config or a path. The
+    linear-attention chunk size is not the model's but the plan's (``harts.compile(chunk_size=...)``):
+    ``chunk_size=`` here is refused.
     """
+    if "chunk_size" in unsupported:
+        raise HFModelError(f"from_hf: {CHUNK_SIZE_IS_THE_PLANS}")
+    if unsupported:
+        raise HFModelError(f"from_hf: unknown option(s) {sorted(unsupported)}; it takes dtype=")
     if isinstance(source, (str, os.PathLike)):
-        return _from_path(os.fspath(source), chunk_size=chunk_size, dtype=dtype)
+        return _from_path(os.fspath(source), dtype=dtype)
     if isinstance(source, nn.Module):
         if dtype is not None:
             raise HFModelError("from_hf(model): dtype= applies to configs and paths; cast the transformers model instead")
-        return _from_model(source, chunk_size=chunk_size)
+        return _from_model(source)
     if hasattr(source, "model_type") and hasattr(source, "to_dict"):
-        return _from_config(source, chunk_size=chunk_size, dtype=dtype)
+        return _from_config(source, dtype=dtype)
     raise HFModelError(
         f"from_hf expects a transformers model, a transformers config or a local path, got {type(source).__name__}"
     )
 
 
-def _from_path(path: str, *, chunk_size: int, dtype: Any) -> HybridModel:
+def _from_path(path: str, *, dtype: Any) -> HybridModel:
     if not os.path.isdir(path):
         raise HFModelError(f"from_hf: {path!r} is not a local directory (HARTS loads local files only)")
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise HFModelError(f"from_hf: {path} holds no config.json; give a Hugging Face checkpoint directory")
+    # transformers reports a bad checkpoint with a dozen exception types (OSError, ValueError, KeyError,
+    # safetensors' own, torch's unpickling refusals...): each becomes an HFModelError naming the directory.
+    try:
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as error:  # noqa: BLE001 - see above
+        raise HFModelError(f"from_hf: {path}: cannot read its config.json ({_short(error)})") from None
     _model_type(hf_config)
     weight_files = [name for name in os.listdir(path) if name.endswith((".safetensors", ".bin", ".safetensors.index.json"))]
     if not weight_files:
         logger.info("from_hf: %s holds a config only; building a freshly initialised model", path)
-        return _from_config(hf_config, chunk_size=chunk_size, dtype=dtype)
+        return _from_config(hf_config, dtype=dtype)
     kwargs = {"dtype": getattr(torch, _dtype_name(dtype, "dtype="))} if dtype is not None else {}
-    hf_model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
-    return _from_model(hf_model, chunk_size=chunk_size)
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
+    except Exception as error:  # noqa: BLE001 - see above
+        raise HFModelError(
+            f"from_hf: {path}: cannot load the weights ({_short(error)}); HARTS reads safetensors checkpoints "
+            "that match their config.json (a .bin checkpoint must be one torch can load with weights_only=True)"
+        ) from None
+    return _from_model(hf_model)
 
 
-def _from_config(hf_config: Any, *, chunk_size: int, dtype: Any) -> HybridModel:
-    config = hybrid_config_from_hf(hf_config, chunk_size=chunk_size, dtype=dtype)
+def _short(error: Exception) -> str:
+    """An exception as one short line: transformers' messages run to paragraphs."""
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
+
+
+def _from_config(hf_config: Any, *, dtype: Any) -> HybridModel:
+    config = hybrid_config_from_hf(hf_config, dtype=dtype)
     model = HybridModel(config)
     pad = getattr(hf_config, "pad_token_id", None)
     pad = pad if isinstance(pad, int) and 0 <= pad < config.vocab_size else None
@@ -487,7 +509,7 @@ def _hf_dtype_of(module: nn.Module) -> torch.dtype:
     return embeddings.weight.dtype
 
 
-def _from_model(hf_model: nn.Module, *, chunk_size: int) -> HybridModel:
+def _from_model(hf_model: nn.Module) -> HybridModel:
     hf_config = getattr(hf_model, "config", None)
     if hf_config is None:
         raise HFModelError(f"{type(hf_model).__name__} is not a transformers model (it has no .config)")
@@ -499,7 +521,7 @@ def _from_model(hf_model: nn.Module, *, chunk_size: int) -> HybridModel:
             f"{type(hf_model).__name__}"
         )
     hf_dtype = _hf_dtype_of(hf_model)
-    config = hybrid_config_from_hf(hf_config, chunk_size=chunk_size, dtype=hf_dtype)
+    config = hybrid_config_from_hf(hf_config, dtype=hf_dtype)
     tied = hf_model.lm_head.weight is hf_model.get_input_embeddings().weight
     if tied != config.tie_word_embeddings:
         config = attrs.evolve(config, tie_word_embeddings=tied)

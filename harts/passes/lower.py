@@ -22,7 +22,7 @@ def lower_batch(batch: RolloutBatch, options: CompileOptions) -> Module:
     )
     return Module(
         phase=Phase.LOWERED,
-        input_hash=batch.content_hash(),
+        input_hash=batch.input_hash(),
         capacity=options.capacity,
         dp_size=options.dp_size,
         chunk_size=options.chunk_size,

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import TextIO
 
 from harts.errors import HartsError, IRVerificationError, OutputError, PipelineError
-from harts.fsio import atomic_write_bytes
+from harts.fsio import IR_DUMP_STAGE, atomic_write_bytes, check_output, dump_stage_header, prepare_ir_dump
+from harts.ir.nodes import Phase
 from harts.ir.text import print_ir
 from harts.ir.verify import verify
 from harts.passes.base import Pass, PassContext, Stage
@@ -75,22 +76,35 @@ class DumpIR(Instrument):
     """Write every stage as ``NNN_<pass>.txt``, numbered from 000 in the order they are produced.
 
     A pipeline that starts from an already lowered module writes that input as ``000_lower.txt``.
+    The directory must be new, empty or an earlier dump (:data:`harts.fsio.IR_DUMP`: every stage
+    file starts with a HARTS header comment, which the IR parser skips); that dump's stages are
+    removed first, so none is left beside the new ones.
     """
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, *, option: str | None = None):
         self.directory = Path(directory)
+        self.option = option or "cannot dump the IR to"
         self.count = 0
 
     def _write(self, name: str, text: str) -> None:
         target = self.directory / f"{self.count:03d}_{name}.txt"
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(target, text.encode())
+            check_output(target, IR_DUMP_STAGE, option=self.option)
+            atomic_write_bytes(target, (dump_stage_header(self.count, name) + text).encode())
+        except OutputError:
+            raise
         except OSError as error:
             raise OutputError(f"cannot dump the IR to {self.directory}: {error.strerror or error}") from error
         self.count += 1
 
     def before_pipeline(self, module: Stage | None) -> None:
+        self.count = 0
+        try:
+            prepare_ir_dump(self.directory, option=self.option)
+        except OutputError:
+            raise
+        except OSError as error:
+            raise OutputError(f"cannot dump the IR to {self.directory}: {error.strerror or error}") from error
         if module is not None:
             self._write("lower", print_ir(module))
 
@@ -148,6 +162,12 @@ def _check_requires(step: Pass, module: Stage | None, done: Sequence[str]) -> No
             raise PipelineError(f"pass {step.name!r} starts a pipeline from the batch, but it comes after a {module.phase} module ({_history(done)})")
     elif module is None:
         raise PipelineError(f"pass {step.name!r} needs phase {step.requires}, but the pipeline has no module yet; start it with 'lower'")
+    elif module.phase == Phase.LAID_OUT:
+        # codegen's laid-out plan is the end of every pipeline: no pass reads one
+        raise PipelineError(
+            f"pass {step.name!r} comes after the pipeline already produced the laid-out plan ({_history(done)}); "
+            "'codegen' is the last pass of a pipeline: name it once, at the end"
+        )
     elif module.phase < step.requires:
         raise PipelineError(
             f"pass {step.name!r} needs phase {step.requires} but the module is {module.phase} ({_history(done)}); "

@@ -86,7 +86,7 @@ class PrefixCompress(Pass):
 
     def run(self, module: Module, ctx: PassContext) -> Module:
         batch = ctx.batch
-        if batch is None or batch.content_hash() != module.input_hash:
+        if batch is None or batch.input_hash() != module.input_hash:
             raise PipelineError("prefix-compress needs the rollout batch the module was lowered from (input hash differs)")
         trie = build_compact_trie(batch.tokens)
         return attrs.evolve(module, phase=Phase.COMPRESSED, trie=trie)

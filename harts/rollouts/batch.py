@@ -43,6 +43,7 @@ from harts.rollouts.fields import (
     integer_array,
     owned,
     per_trajectory_entries,
+    refuse_misspelt_field,
     routed_experts_field,
     routed_experts_fields,
     routed_experts_key,
@@ -169,7 +170,9 @@ class RolloutBatch:
         return cls(tokens=tokens, token_fields=token_fields, trajectory_fields=trajectory_fields, tree_ids=adopt(tree_ids_array))
 
     def validate(self) -> None:
-        """Check lengths, kinds and values of every field; raise :class:`RolloutInputError` naming the culprit."""
+        """Check names, lengths, kinds and values of every field; raise :class:`RolloutInputError` naming the culprit."""
+        for name in (*self.token_fields, *self.trajectory_fields):
+            refuse_misspelt_field(name)
         for index, tokens in enumerate(self.tokens):
             if tokens.ndim != 1 or tokens.size == 0:
                 raise RolloutInputError(f"trajectory {index}: field 'tokens' is empty; a trajectory needs at least one token")
@@ -271,33 +274,48 @@ class RolloutBatch:
             out.append(array.astype(np.int64, copy=False).reshape(len(self.tokens[index]), layers, top_k))
         return tuple(out)
 
-    def token_keys(self) -> list[bytes]:
-        """Big-endian uint32 encodings: bytes order equals token-lexicographic order, prefixes sort first."""
-        return [t.astype(">u4").tobytes() for t in self.tokens]
-
     @functools.cached_property
     def _hash(self) -> str:
-        return self._compute_hash()
+        return self._compute_hash(input_only=False)
+
+    @functools.cached_property
+    def _input_hash(self) -> str:
+        return self._compute_hash(input_only=True)
 
     def content_hash(self) -> str:
-        """SHA-256 over tokens, tree ids and every metadata field (cached; the batch is immutable)."""
+        """SHA-256 over tokens, tree ids and every metadata field (cached; the batch is immutable).
+
+        Identifies the batch's whole contents (a node table records it to detect edits).
+        """
         return self._hash
 
-    def _compute_hash(self) -> str:
-        """SHA-256 over tokens, tree ids and every metadata field, independent of dict order."""
+    def input_hash(self) -> str:
+        """SHA-256 over what a plan computes from: tokens, tree ids and routed experts (cached).
+
+        Plans bind to it (:mod:`harts.binding`), so fields that do not change the computation
+        (loss mask, old / reference / sampling log-probs, advantages, rewards) may be added or
+        changed after compiling.
+        """
+        return self._input_hash
+
+    def _compute_hash(self, *, input_only: bool) -> str:
+        """SHA-256 over tokens, tree ids and the metadata fields (only the routed experts when
+        ``input_only``), independent of dict order."""
         digest = hashlib.sha256()
-        digest.update(b"harts-batch-v1")
+        digest.update(b"harts-batch-input-v1" if input_only else b"harts-batch-v1")
         for tokens in self.tokens:
             digest.update(len(tokens).to_bytes(8, "little"))
             digest.update(tokens.astype("<i8").tobytes())
         if self.tree_ids is not None:
             digest.update(np.asarray(self.tree_ids, dtype="<i8").tobytes())
         for name in sorted(self.token_fields):
+            if input_only and routed_experts_key(name) is None:
+                continue
             digest.update(f"token:{name}".encode())
             for values in self.token_fields[name]:
                 digest.update(str(values.dtype).encode())
                 digest.update(np.ascontiguousarray(values).tobytes())
-        for name in sorted(self.trajectory_fields):
+        for name in sorted(() if input_only else self.trajectory_fields):
             values = self.trajectory_fields[name]
             digest.update(f"trajectory:{name}:{values.dtype}".encode())
             digest.update(np.ascontiguousarray(values).tobytes())

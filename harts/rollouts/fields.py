@@ -25,8 +25,20 @@ DEFAULT_TOKEN_FIELDS = ("loss_mask",)
 PER_TOKEN_FIELDS = ("loss_mask",)
 #: Mask fields: every value finite and in [0, 1] (floats anywhere in the range; integers 0 or 1; booleans).
 MASK_FIELDS = ("loss_mask",)
-#: Fields a loss multiplies by: every value must be finite (a NaN would make the whole loss NaN).
-FINITE_FIELDS = ("loss_mask", "advantages", "advantage", "reward")
+#: Log-prob fields (old, reference, and the rollout engine's, under the names harts.rl and the
+#: importers use). They are finite too: NaN or +inf makes the loss NaN, and -inf makes the
+#: importance ratio infinite (a loss of -inf for a negative advantage).
+LOG_PROB_FIELDS = ("old_log_probs", "old_logprobs", "behavior_log_probs", "ref_log_probs", "ref_logprobs",
+                   "reference_log_probs", "rollout_logprobs", "rollout_log_probs")
+#: Fields a loss multiplies by or exponentiates: every value must be finite (a NaN would make the whole loss NaN).
+FINITE_FIELDS = ("loss_mask", "advantages", "advantage", "reward", "importance_sampling_ratio", *LOG_PROB_FIELDS)
+#: Field names HARTS reads.
+KNOWN_FIELDS = (*FINITE_FIELDS, "group_id")
+#: The fields whose misspelling would go unnoticed (the real one silently defaults: a mask of ones, log-probs
+#: recomputed, no reference KL, trees as groups); another name this close to one (difflib ratio) is refused.
+#: Frameworks' own plurals (AReaL's ``rewards``) are not near these and pass as extra fields.
+MISSPELLING_TARGETS = ("loss_mask", "advantages", "old_log_probs", "ref_log_probs", "group_id")
+MISSPELLING_CUTOFF = 0.8
 #: NumPy kinds a per-token field may have (what node tables store and read back).
 TOKEN_FIELD_KINDS = "biuf"
 #: NumPy kinds a per-trajectory field may have.
@@ -70,6 +82,10 @@ def as_array(value: Any, where: str) -> np.ndarray:
             array = None
         if array is None or (array.dtype == object and any(isinstance(entry, (list, tuple, np.ndarray)) for entry in value)):
             raise RolloutInputError(f"{where} is ragged: its entries are lists of different lengths or mix lists and scalars")
+        if array.dtype.kind == "f" and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value):
+            # Python ints beyond int64 beside small ones: NumPy would make every entry a float and a range
+            # check would blame the wrong entry with a rounded value; keep the exact integers instead.
+            return np.array(value, dtype=object)
         return array
     if isinstance(value, (numbers.Number, np.generic, str)) or value is None:
         return np.asarray(value)
@@ -242,8 +258,23 @@ def scalar_field_array(entries: list[np.ndarray], name: str) -> np.ndarray:
     return np.stack(entries)
 
 
+def refuse_misspelt_field(name: str) -> None:
+    """Refuse a field name that is not one HARTS reads but is one letter or two from one (``loss_maks``):
+    kept, it would be an extra field while the real one takes its default (a loss mask of ones)."""
+    import difflib
+
+    if name in KNOWN_FIELDS or routed_experts_key(name) is not None:
+        return
+    close = difflib.get_close_matches(name, MISSPELLING_TARGETS, n=1, cutoff=MISSPELLING_CUTOFF)
+    if close:
+        raise RolloutInputError(
+            f"field '{name}' is not one HARTS reads and looks like a misspelling: did you mean '{close[0]}'? "
+            f"(kept, '{close[0]}' would take its default; rename the field)"
+        )
+
+
 def check_field_values(name: str, values: np.ndarray, where: str) -> None:
-    """Masks (:data:`MASK_FIELDS`) finite and in [0, 1]; loss factors (:data:`FINITE_FIELDS`) finite."""
+    """Masks (:data:`MASK_FIELDS`) finite and in [0, 1]; loss factors and log-probs (:data:`FINITE_FIELDS`) finite."""
     if values.dtype.kind == "b" or values.size == 0:
         return
     if name in FINITE_FIELDS and values.dtype.kind == "f":

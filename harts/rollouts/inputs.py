@@ -31,7 +31,7 @@ from harts.rollouts.batch import read_node_table
 from harts.rollouts.nodetable import SUFFIXES
 from harts.rollouts.workloads import DEMO_RESOURCE, grpo_step, no_sharing_step, swe_like_step, wide_tree_step
 
-__all__ = ["DEMO_RESOURCE", "ENTRY_POINT_GROUP", "Preset", "demo_batch", "parse_options", "presets", "resolve_input"]
+__all__ = ["DEMO_RESOURCE", "ENTRY_POINT_GROUP", "Preset", "demo_batch", "parse_options", "input_path", "presets", "resolve_input"]
 
 ENTRY_POINT_GROUP = "harts.presets"
 
@@ -98,6 +98,12 @@ def parse_options(owner: str, text: str, allowed: dict[str, type], *, what: str 
         except ValueError as error:
             raise RolloutInputError(f"{what} '{owner}': option '{option}' must be {allowed[option].__name__}, got {value!r}") from error
     return options
+
+
+def input_path(spec: str | os.PathLike[str]) -> Path | None:
+    """The file an input names (None for a preset): what outputs of the same run must not write over."""
+    text = os.fspath(spec)
+    return None if text.partition(":")[0] in presets() else Path(text)
 
 
 def resolve_input(spec: str | os.PathLike[str]) -> RolloutBatch:

@@ -44,7 +44,7 @@ import numpy as np
 
 from harts.rollouts.fields import TOKEN_FIELD_KINDS, TRAJECTORY_FIELD_KINDS, adopt, check_field_values, token_id_array
 from harts.errors import OutputError, RolloutInputError
-from harts.fsio import atomic_write_with
+from harts.fsio import NODE_TABLE, atomic_write_with, check_output
 
 if TYPE_CHECKING:  # the writers read a batch's attributes; only the builder a reader is given makes one
     from harts.rollouts.batch import RolloutBatch
@@ -484,9 +484,25 @@ def content_hash_mismatch() -> RolloutInputError:
     )
 
 
+def _refuse_wider_than_the_file(schema: Mapping[str, str], file_bytes: int | None) -> None:
+    """A string dtype wider than the whole file is no width a writer can have needed: casting to it would
+    allocate width x entries (a 6 KB table declaring ``<U20000000`` asked for gigabytes), so it is refused."""
+    if file_bytes is None:
+        return
+    for name, text in schema.items():
+        dtype = np.dtype(text)
+        if dtype.kind == "U" and dtype.itemsize // 4 > max(file_bytes, 1):
+            raise RolloutInputError(
+                f"schema: field '{name}' declares strings of {dtype.itemsize // 4:,} characters ({text}), more than the "
+                f"whole file holds ({file_bytes:,} bytes): the schema is damaged"
+            )
+
+
 def _batch_from_rows(rows: Iterable[Mapping[str, Any]], build: Callable[[NodeTableContents], Batch],
-                     column_dtypes: Mapping[str, np.dtype] | None = None, stored_hash: str | None = None) -> Batch:
+                     column_dtypes: Mapping[str, np.dtype] | None = None, stored_hash: str | None = None,
+                     file_bytes: int | None = None) -> Batch:
     nodes, trajectory_rows, schema, content_hash = _parse_rows(rows, column_dtypes)
+    _refuse_wider_than_the_file(schema, file_bytes)
     content_hash = content_hash if content_hash is not None else stored_hash
     if not nodes:
         raise RolloutInputError("node table: no node rows, so the batch holds no trajectories")
@@ -637,10 +653,11 @@ def decode_node_table(path: str | os.PathLike[str], build: Callable[[NodeTableCo
     if not path.is_file():
         raise RolloutInputError(f"{path}: no such node-table file")
     try:
+        file_bytes = path.stat().st_size
         if suffix == ".jsonl":
-            return _batch_from_rows(_read_jsonl_rows(path), build)
+            return _batch_from_rows(_read_jsonl_rows(path), build, file_bytes=file_bytes)
         rows, dtypes, content_hash = _read_parquet_rows(path)
-        return _batch_from_rows(rows, build, dtypes, content_hash)
+        return _batch_from_rows(rows, build, dtypes, content_hash, file_bytes=file_bytes)
     except RolloutInputError as error:
         message = str(error)
         raise RolloutInputError(message if message.startswith(str(path)) else f"{path}: {message}") from None
@@ -906,6 +923,7 @@ def write_node_table(batch: RolloutBatch, path: str | os.PathLike[str]) -> None:
     suffix = _suffix(path)
     if path.is_dir():
         raise OutputError(f"cannot write the node table to {path}: it is a directory")
+    check_output(path, NODE_TABLE)  # the ownership rule of harts.fsio: new, or a node table HARTS wrote
     try:
         if suffix == ".jsonl":
             records = node_table_records(batch)

@@ -23,18 +23,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from types import ModuleType
 
 import attrs
 import numpy as np
 import torch
 from torch import nn
 
+from harts.binding import BoundPlan, ModelLimits, check_routed_experts, check_vocabulary
 from harts.codegen.fx import log_prob_rows
-from harts.codegen.layout import layout_of
-from harts.errors import PlanArtifactError, RolloutInputError
-from harts.ir.nodes import Module, Phase
+from harts.errors import ModelInputError, PlanArtifactError, RolloutInputError
+from harts.kernels.dispatch import Dispatch
+from harts.kernels.interface import Kernels
 from harts.numerics import compact_log_probs, log_probs_from_logits
+from harts.options import DEFAULT_OPTIONS
 from harts.plan import Plan
 from harts.runtime.model import HybridModel
 from harts.runtime.moe import MoEStats
@@ -44,9 +45,18 @@ from harts.runtime.view import BaselineView
 
 logger = logging.getLogger(__name__)
 
+#: The kernels of a plan compiled with ``fast_kernels=True`` on a GPU: fast paths, and an error where linear
+#: attention has none (instead of the reference, which ``auto`` dispatch would run without a word).
+_FAST_KERNELS = Dispatch("fast")
+
+#: The chunk size of a trajectory-wise baseline run without a plan (the compiler's default B).
+DEFAULT_CHUNK_SIZE = DEFAULT_OPTIONS.chunk_size
+
 __all__ = [
+    "DEFAULT_CHUNK_SIZE",
     "LogProbOutput",
     "MicrobatchOutput",
+    "bind_plan",
     "log_probs",
     "log_probs_baseline",
     "microbatch_log_probs",
@@ -62,7 +72,9 @@ class LogProbOutput:
     ``log_probs[i]`` has ``len(tokens_i) - 1`` entries; ``packed`` is their concatenation and
     ``cu_seqlens`` [N + 1] its offsets (the list entries are views of ``packed``).
     ``entropy`` (if asked for) is laid out the same way. ``rows`` counts the hidden rows
-    the model executed (C for a plan, S for the baseline).
+    the model executed (C for a plan, S for the baseline). ``input_hash`` is the batch's
+    (:meth:`~harts.RolloutBatch.input_hash`): framework exporters refuse to lay the output out
+    against another batch.
     """
 
     log_probs: list[torch.Tensor]
@@ -72,6 +84,7 @@ class LogProbOutput:
     entropy: list[torch.Tensor] | None = None
     packed_entropy: torch.Tensor | None = None
     rows: int = 0
+    input_hash: str | None = None
 
 
 @attrs.frozen(eq=False)
@@ -86,71 +99,17 @@ class MicrobatchOutput:
     rows: int
 
 
-def _module_of(plan: Plan | Module) -> Module:
-    if isinstance(plan, Plan):
-        return plan.module
-    if isinstance(plan, Module):
-        return plan
-    raise TypeError(f"expected a harts Plan or a rounded IR Module, got {type(plan).__name__}")
-
-
-def _layout(plan: Plan | Module, microbatch: int):
-    """The layout a microbatch runs on: the plan's stored one, or one laid out now from a rounded Module."""
-    return plan.layout(microbatch) if isinstance(plan, Plan) else layout_of(plan, microbatch)
-
-
-def _check_vocabulary(model: nn.Module, batch, trajectories=None) -> None:
-    """Every token id must index the model's embedding; name the first trajectory that does not."""
-    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
-    if vocab_size is None:
-        return
-    for trajectory in range(len(batch.tokens)) if trajectories is None else sorted(trajectories):
-        tokens = batch.tokens[trajectory]
-        if tokens.size and int(tokens.max()) >= vocab_size:
-            entry = int(np.flatnonzero(tokens >= vocab_size)[0])
-            raise RolloutInputError(
-                f"trajectory {trajectory}: field 'tokens' entry {entry} is {int(tokens[entry])}, "
-                f"outside the model's vocabulary (vocab_size {vocab_size})"
-            )
-
-
-def _check_plan_matches(module: Module, batch) -> None:
-    if module.phase < Phase.ROUNDED:
-        raise PlanArtifactError(f"the plan is at phase {module.phase}; running it needs a rounded plan (compile with the full pipeline)")
-    if batch.content_hash() != module.input_hash:
-        raise PlanArtifactError(
-            f"the plan was compiled for batch {module.input_hash[:20]}..., not for this batch ({batch.content_hash()[:20]}...)"
+def bind_plan(plan: Plan | BoundPlan, batch, model: nn.Module) -> BoundPlan:
+    """``plan`` bound to ``batch`` and checked against ``model`` (the binding's checks run once per plan and batch)."""
+    if isinstance(plan, BoundPlan):
+        bound = plan.for_batch(batch)
+    elif isinstance(plan, Plan):
+        bound = plan.bind(batch)
+    else:
+        raise ModelInputError(
+            f"expected a harts.Plan (from harts.compile or harts.load_plan) or a BoundPlan (Plan.bind), got {type(plan).__name__}"
         )
-
-
-def _check_routed_experts(model: nn.Module, batch, trajectories) -> tuple[np.ndarray, ...] | None:
-    """The batch's replayed experts (``[len, L_moe, k]`` per trajectory), checked against the model; None when absent."""
-    routed = batch.routed_experts
-    if routed is None:
-        return None
-    config = model.config
-    expected = (config.num_moe_layers, config.num_experts_per_tok)
-    for trajectory in sorted(trajectories):
-        experts = routed[trajectory]
-        if experts.shape[1:] != expected:
-            raise RolloutInputError(
-                f"trajectory {trajectory}: field 'routed_experts' has [layers, top_k] = {list(experts.shape[1:])}, "
-                f"the model has {expected[0]} MoE layer(s) with top_k {expected[1]}"
-            )
-        if experts.size == 0:
-            continue
-        bad = (experts < 0) | (experts >= config.num_experts)
-        ordered = np.sort(experts, axis=-1)
-        repeated = np.zeros_like(bad)
-        repeated[..., 1:] = ordered[..., 1:] == ordered[..., :-1]
-        for problem, what in ((bad, f"outside [0, {config.num_experts})"), (repeated, "repeated in one token's top-k")):
-            if problem.any():
-                position, layer, _ = (int(v) for v in np.argwhere(problem)[0])
-                raise RolloutInputError(
-                    f"trajectory {trajectory}: field 'routed_experts' at position {position}, MoE layer {layer}: "
-                    f"experts {experts[position, layer].tolist()} hold an id {what}"
-                )
-    return routed
+    return bound.for_model(unwrap_model(model))
 
 
 def _has_linear_head(model: nn.Module) -> bool:
@@ -178,7 +137,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 def _check_temperature(temperature: float) -> float:
     temperature = float(temperature)
     if not (temperature > 0 and np.isfinite(temperature)):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+        raise ModelInputError(f"temperature must be a positive finite number, got {temperature!r}")
     return temperature
 
 
@@ -219,36 +178,42 @@ def _log_probs_from_hidden(model, hidden, input_ids, rows, next_rows, with_entro
 
 def microbatch_log_probs(
     model: nn.Module,
-    plan: Plan | Module,
+    plan: Plan | BoundPlan,
     batch,
     microbatch: int,
     *,
     recompute: bool = False,
     with_entropy: bool = False,
     row_chunk: int | None = None,
-    kernels: ModuleType | None = None,
+    kernels: Kernels | None = None,
     view_type: type[TreeView] = TreeView,
     temperature: float = 1.0,
 ) -> MicrobatchOutput:
     """Run one microbatch of a compiled plan (e.g. one step of gradient accumulation).
 
+    ``plan`` is a laid-out :class:`~harts.Plan` or one already bound to ``batch``
+    (:meth:`harts.Plan.bind`: the checks then run once for all microbatches).
     ``view_type`` builds the execution view from the microbatch's layout; a subclass of
     :class:`TreeView` changes how sequence operators are scheduled on the same rows (the
     node-at-a-time ablation, :class:`harts_bench.ablation.NodeAtATimeView`).
     """
     temperature = _check_temperature(temperature)
-    module = _module_of(plan)
-    _check_plan_matches(module, batch)
-    layout = _layout(plan, microbatch)
-    inner = unwrap_model(model)
-    _check_vocabulary(inner, batch, layout.trajectories)
-    device = next(inner.parameters()).device
+    bound = bind_plan(plan, batch, model)
+    return _run_microbatch(model, bound, microbatch, recompute=recompute, with_entropy=with_entropy, row_chunk=row_chunk,
+                           kernels=kernels, view_type=view_type, temperature=temperature)
+
+
+def _run_microbatch(model, bound: BoundPlan, microbatch: int, *, recompute, with_entropy, row_chunk, kernels, view_type,
+                    temperature) -> MicrobatchOutput:
+    layout = bound.layout(microbatch)
+    device = next(unwrap_model(model).parameters()).device
+    if kernels is None and bound.plan.fast_kernels and device.type == "cuda":
+        kernels = _FAST_KERNELS  # compiled for the fast kernels: a fallback to the reference raises
     view = view_type(layout, device=device, kernels=kernels)
-    input_ids = view.input_ids(batch.tokens)
-    routed = _check_routed_experts(inner, batch, layout.trajectories)
-    if routed is not None:
-        # one decision per compact row: every trajectory through a row must replay the same experts
-        routed = torch.as_tensor(layout.gather_rows(routed, "routed_experts"), device=device)
+    input_ids = torch.tensor(bound.row_tokens[microbatch], dtype=torch.long, device=device)
+    routed = None
+    if bound.row_experts is not None:
+        routed = torch.tensor(bound.row_experts[microbatch], device=device)
     rows, next_rows, offsets = log_prob_rows(layout)
 
     def head(network: nn.Module, hidden: torch.Tensor):
@@ -305,36 +270,38 @@ def _assemble(batch, outputs: list[MicrobatchOutput], with_entropy: bool) -> Log
         entropy=list(packed_entropy.split(lengths)) if with_entropy else None,
         packed_entropy=packed_entropy,
         rows=sum(o.rows for o in outputs),
+        input_hash=batch.input_hash(),
     )
 
 
 def log_probs(
     model: nn.Module,
-    plan: Plan | Module,
+    plan: Plan | BoundPlan,
     batch,
     recompute: bool = False,
     *,
     with_entropy: bool = False,
     row_chunk: int | None = None,
-    kernels: ModuleType | None = None,
+    kernels: Kernels | None = None,
     view_type: type[TreeView] = TreeView,
     temperature: float = 1.0,
 ) -> LogProbOutput:
     """Per-token log-probs of ``batch`` under ``model``, executing the compiled ``plan``.
 
+    ``plan``: a laid-out :class:`~harts.Plan` (:func:`harts.compile`, :func:`harts.load_plan`)
+    or a :class:`~harts.binding.BoundPlan`; it is bound to ``batch`` once (see :mod:`harts.binding`).
     Every microbatch runs on its compact layout; each trajectory's log-probs come from the
     one microbatch that holds it. Differentiable w.r.t. the model's parameters; MoE
     statistics are summed over microbatches. ``view_type``: see :func:`microbatch_log_probs`.
     """
-    module = _module_of(plan)
-    _check_plan_matches(module, batch)
-    _check_vocabulary(unwrap_model(model), batch)
+    temperature = _check_temperature(temperature)
+    bound = bind_plan(plan, batch, model)
     outputs = [
-        microbatch_log_probs(
-            model, plan, batch, mb.index, recompute=recompute, with_entropy=with_entropy, row_chunk=row_chunk,
+        _run_microbatch(
+            model, bound, mb.index, recompute=recompute, with_entropy=with_entropy, row_chunk=row_chunk,
             kernels=kernels, view_type=view_type, temperature=temperature,
         )
-        for mb in module.microbatches
+        for mb in bound.microbatches
     ]
     return _assemble(batch, outputs, with_entropy)
 
@@ -342,8 +309,8 @@ def log_probs(
 def _baseline_groups(batch, microbatches) -> tuple[list[list[int]], int | None]:
     if microbatches is None:
         return [list(range(len(batch.tokens)))], None
-    if isinstance(microbatches, (Plan, Module)):
-        module = _module_of(microbatches)
+    if isinstance(microbatches, (Plan, BoundPlan)):
+        module = microbatches.module
         if module.microbatches is None:
             raise PlanArtifactError(f"the plan at phase {module.phase} has no microbatches")
         return [list(mb.trajectories) for mb in module.microbatches], module.chunk_size
@@ -360,16 +327,17 @@ def microbatch_log_probs_baseline(
     batch,
     trajectories,
     *,
-    chunk_size: int | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     recompute: bool = False,
     with_entropy: bool = False,
     row_chunk: int | None = None,
-    kernels: ModuleType | None = None,
+    kernels: Kernels | None = None,
     temperature: float = 1.0,
 ) -> MicrobatchOutput:
     """The trajectory-wise baseline of one microbatch: ``trajectories`` expanded, one packed sequence each.
 
-    The output is laid out as :func:`microbatch_log_probs`' (members in ascending order), so a
+    ``chunk_size`` is the linear-attention chunk of every expanded sequence (the baseline has
+    no plan; pass the plan's to compare with it chunk for chunk). The output is laid out as :func:`microbatch_log_probs`' (members in ascending order), so a
     training loop runs either on the same microbatch membership.
     """
     temperature = _check_temperature(temperature)
@@ -378,18 +346,18 @@ def microbatch_log_probs_baseline(
     for i in members:
         if not 0 <= i < len(batch.tokens):
             raise RolloutInputError(f"microbatch membership names trajectory {i}, but the batch has {len(batch.tokens)}")
-    _check_vocabulary(inner, batch, members)
-    chunk = chunk_size or inner.config.chunk_size
+    limits = ModelLimits.of(inner)
+    check_vocabulary(batch, limits.vocab_size, members)
     device = next(inner.parameters()).device
     lengths = [len(batch.tokens[i]) for i in members]
-    view = BaselineView(lengths, chunk, device, kernels=kernels)
+    view = BaselineView(lengths, chunk_size, device, kernels=kernels)
     input_ids = torch.as_tensor(np.concatenate([batch.tokens[i] for i in members]), dtype=torch.long, device=device)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     rows = torch.as_tensor(np.concatenate([s + np.arange(n - 1) for s, n in zip(starts, lengths)]).astype(np.int64), device=device)
     offsets = np.zeros(len(members) + 1, dtype=np.int64)
     np.cumsum([n - 1 for n in lengths], out=offsets[1:])
 
-    routed = _check_routed_experts(inner, batch, members)
+    routed = check_routed_experts(batch, limits, members)
     if routed is not None:
         routed = torch.as_tensor(np.concatenate([routed[i] for i in members]), device=device)
 
@@ -404,25 +372,25 @@ def log_probs_baseline(
     model: nn.Module,
     batch,
     recompute: bool = False,
-    microbatches: Plan | Module | Sequence[Sequence[int]] | None = None,
+    microbatches: Plan | BoundPlan | Sequence[Sequence[int]] | None = None,
     *,
     with_entropy: bool = False,
     chunk_size: int | None = None,
     row_chunk: int | None = None,
-    kernels: ModuleType | None = None,
+    kernels: Kernels | None = None,
     temperature: float = 1.0,
 ) -> LogProbOutput:
     """Trajectory-wise baseline: every trajectory expanded and run as its own packed sequence.
 
     ``microbatches``: None (one microbatch), a plan (its microbatch membership and chunk
     size) or a list of trajectory-index lists. ``chunk_size`` defaults to the plan's, else
-    the model config's.
+    :data:`DEFAULT_CHUNK_SIZE` (64).
     """
-    _check_vocabulary(unwrap_model(model), batch)
+    check_vocabulary(batch, ModelLimits.of(unwrap_model(model)).vocab_size)
     groups, plan_chunk = _baseline_groups(batch, microbatches)
     outputs = [
         microbatch_log_probs_baseline(
-            model, batch, group, chunk_size=chunk_size or plan_chunk, recompute=recompute, with_entropy=with_entropy,
+            model, batch, group, chunk_size=chunk_size or plan_chunk or DEFAULT_CHUNK_SIZE, recompute=recompute, with_entropy=with_entropy,
             row_chunk=row_chunk, kernels=kernels, temperature=temperature,
         )
         for group in groups

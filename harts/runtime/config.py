@@ -25,6 +25,8 @@ them for "gqa".
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Any
 
 import attrs
@@ -32,7 +34,9 @@ import torch
 
 from harts.errors import HartsError
 
-__all__ = ["HybridConfig", "HybridConfigError", "PRESETS"]
+__all__ = ["CHUNK_SIZE_IS_THE_PLANS", "HybridConfig", "HybridConfigError", "PRESETS"]
+
+logger = logging.getLogger(__name__)
 
 LINEAR_KINDS = ("kda", "gdn")
 ATTENTION_KINDS = ("mha", "gqa", "mla")
@@ -41,6 +45,13 @@ ROUTER_KINDS = ("softmax", "sigmoid")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LAYER_ALIASES = {"linear": "linear", "linear_attention": "linear", "full": "full", "full_attention": "full"}
 _MLP_ALIASES = {"dense": "dense", "moe": "moe", "sparse": "moe"}
+
+
+#: Why a model config takes no chunk size (one source of truth: the plan's).
+CHUNK_SIZE_IS_THE_PLANS = (
+    "chunk_size is not a model setting: the linear-attention chunk size is the plan's; "
+    "pass it to harts.compile(batch, chunk_size=...) (or the run option chunk_size)"
+)
 
 
 class HybridConfigError(HartsError, ValueError):
@@ -82,8 +93,7 @@ class HybridConfig:
     initializer_range: float = 0.02
     dtype: str = attrs.field(default="float32", converter=_dtype_name)
 
-    # linear attention (KDA / Gated DeltaNet)
-    chunk_size: int = 64
+    # linear attention (KDA / Gated DeltaNet); its chunk size is the plan's (harts.compile(chunk_size=...))
     linear_num_key_heads: int = 4
     linear_num_value_heads: int = 4
     linear_key_head_dim: int = 16
@@ -126,6 +136,7 @@ class HybridConfig:
     shared_expert_gate: bool = False
 
     def __attrs_post_init__(self) -> None:
+        self._check_field_types()
         # Frozen class: derived fields are filled in once, here, then never change.
         if self.layer_types is None:
             interval = self.full_attention_interval
@@ -153,6 +164,24 @@ class HybridConfig:
             object.__setattr__(self, "num_key_value_heads", max(1, heads // 2) if self.attention == "gqa" else heads)
         self._validate()
 
+    def _check_field_types(self) -> None:
+        """Every int, float and bool field holds a value of its type (a YAML ``num_layers: four`` or a
+        config.json ``"rope_theta": "1e4"`` is refused here, naming the field, before any arithmetic on it)."""
+        for field in attrs.fields(type(self)):
+            declared = str(field.type)
+            value = getattr(self, field.name)
+            if value is None and "None" in declared:
+                continue
+            kind = declared.split("|")[0].strip()
+            if kind == "bool" and not isinstance(value, bool):
+                raise HybridConfigError(f"{field.name} must be true or false, got {value!r}")
+            if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+                raise HybridConfigError(f"{field.name} must be an integer, got {value!r}")
+            if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+                raise HybridConfigError(f"{field.name} must be a finite number, got {value!r}")
+            if kind == "str" and not isinstance(value, str):
+                raise HybridConfigError(f"{field.name} must be a string, got {value!r}")
+
     @staticmethod
     def _normalise(values, aliases, field):
         out = []
@@ -167,7 +196,7 @@ class HybridConfig:
         def fail(message):
             raise HybridConfigError(message)
 
-        for name in ("vocab_size", "hidden_size", "num_layers", "chunk_size", "num_attention_heads", "head_dim",
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "head_dim",
                      "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                      "linear_value_head_dim", "linear_conv_kernel_dim", "intermediate_size"):
             value = getattr(self, name)
@@ -248,8 +277,6 @@ class HybridConfig:
                 fail("moe_expert_bias (selection-only expert bias) is defined for moe_router='sigmoid' only")
             if self.shared_expert_gate and self.shared_expert_intermediate_size < 1:
                 fail("shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)")
-        if self.chunk_size < 1:
-            fail(f"chunk_size must be positive, got {self.chunk_size}")
 
     # ------------------------------------------------------------------ derived values
 
@@ -285,6 +312,11 @@ class HybridConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> HybridConfig:
+        """Inverse of :meth:`to_dict`. A ``chunk_size`` key (written by HARTS versions whose model
+        config carried one) is left out: the chunk size is the plan's."""
+        if "chunk_size" in values:
+            logger.info("model config: 'chunk_size' left out; the linear-attention chunk size is the plan's")
+            values = {k: v for k, v in values.items() if k != "chunk_size"}
         unknown = sorted(set(values) - {f.name for f in attrs.fields(cls)})
         if unknown:
             raise HybridConfigError(f"unknown config field(s) {unknown}")
@@ -303,6 +335,8 @@ class HybridConfig:
         """
         if name not in PRESETS:
             raise HybridConfigError(f"unknown preset {name!r}; known presets: {sorted(PRESETS)}")
+        if "chunk_size" in overrides:
+            raise HybridConfigError(CHUNK_SIZE_IS_THE_PLANS)
         unknown = sorted(set(overrides) - {f.name for f in attrs.fields(cls)})
         if unknown:
             raise HybridConfigError(f"preset {name!r}: unknown config field(s) {unknown}")
@@ -334,7 +368,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         linear="kda",
         attention="mla",
         ffn="moe",
-        chunk_size=16,
         linear_num_key_heads=4,
         linear_num_value_heads=4,
         linear_key_head_dim=16,
@@ -365,7 +398,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         linear="kda",
         attention="mla",
         ffn="moe",
-        chunk_size=64,
         linear_num_key_heads=16,
         linear_num_value_heads=16,
         linear_key_head_dim=128,

@@ -32,15 +32,16 @@ middle of a turn) is using one state twice, and continuing each with different s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import ModuleType
 
 import attrs
 import torch
 from torch import nn
 
+from harts.errors import ModelInputError
 from harts.kernels import dispatch as default_kernels
+from harts.kernels.interface import Kernels
 from harts.numerics import compute_dtype
-from harts.runtime.api import _check_temperature, unwrap_model
+from harts.runtime.api import DEFAULT_CHUNK_SIZE, _check_temperature, unwrap_model
 
 __all__ = ["DecodeState", "IncrementalDecoder", "LayerCache", "gumbel_sample"]
 
@@ -80,7 +81,7 @@ class _DecodeView:
     """Execution view of one block over the new tokens of N sequences, reading and updating their caches."""
 
     def __init__(self, caches: Sequence[LayerCache], lengths: Sequence[int], positions: torch.Tensor,
-                 chunk_size: int, kernels: ModuleType):
+                 chunk_size: int, kernels: Kernels):
         device = positions.device
         self.caches = list(caches)
         self.lengths = [int(n) for n in lengths]
@@ -156,12 +157,18 @@ class IncrementalDecoder:
         model: the model (a data-parallel wrapper is unwrapped: decoding needs no gradient sync).
         temperature: next-token log-probs are those of ``logits / temperature``.
         kernels: kernels namespace (default: the dispatch the runtime uses).
+        chunk_size: the linear-attention chunk of each call (decoding has no plan; results do
+            not depend on it beyond round-off).
     """
 
-    def __init__(self, model: nn.Module, *, temperature: float = 1.0, kernels: ModuleType | None = None):
+    def __init__(self, model: nn.Module, *, temperature: float = 1.0, kernels: Kernels | None = None,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE):
         self.model = unwrap_model(model)
         self.temperature = _check_temperature(temperature)
         self.kernels = kernels if kernels is not None else default_kernels
+        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+            raise ModelInputError(f"IncrementalDecoder: chunk_size must be a positive int, got {chunk_size!r}")
+        self.chunk_size = chunk_size
 
     def start(self) -> DecodeState:
         """The state before any token."""
@@ -174,29 +181,28 @@ class IncrementalDecoder:
         Returns the new states; the given ones stay valid (fork by extending one state twice).
         """
         if len(states) != len(tokens):
-            raise ValueError(f"extend: {len(states)} state(s) but {len(tokens)} token list(s)")
+            raise ModelInputError(f"extend: {len(states)} state(s) but {len(tokens)} token list(s)")
         pieces = [[int(t) for t in piece] for piece in tokens]
         if not states:
             return []
         if any(not piece for piece in pieces):
-            raise ValueError(f"extend: sequence {next(i for i, p in enumerate(pieces) if not p)} gets no token")
+            raise ModelInputError(f"extend: sequence {next(i for i, p in enumerate(pieces) if not p)} gets no token")
         model = self.model
         vocab = model.config.vocab_size
         for index, piece in enumerate(pieces):
             if min(piece) < 0 or max(piece) >= vocab:
-                raise ValueError(f"extend: sequence {index} holds a token outside the vocabulary [0, {vocab})")
+                raise ModelInputError(f"extend: sequence {index} holds a token outside the vocabulary [0, {vocab})")
         device = model.device
         lengths = [len(piece) for piece in pieces]
         input_ids = torch.as_tensor([t for piece in pieces for t in piece], dtype=torch.long, device=device)
         positions = torch.cat([
             torch.arange(state.length, state.length + n, dtype=torch.long, device=device) for state, n in zip(states, lengths)
         ])
-        chunk_size = int(model.config.chunk_size)
 
         x = model.embed(input_ids)
         new_layers: list[list[LayerCache]] = []
         for index, layer in enumerate(model.layers):
-            view = _DecodeView([state.layers[index] for state in states], lengths, positions, chunk_size, self.kernels)
+            view = _DecodeView([state.layers[index] for state in states], lengths, positions, self.chunk_size, self.kernels)
             x, _ = layer(x, view)
             new_layers.append(view.updated())
         last_rows = torch.cumsum(torch.as_tensor(lengths, device=device), 0) - 1
@@ -218,7 +224,7 @@ class IncrementalDecoder:
         if not states:
             return [], []
         if any(state.next_log_probs is None for state in states):
-            raise ValueError("sample: a state has consumed no token yet (extend it with a prompt first)")
+            raise ModelInputError("sample: a state has consumed no token yet (extend it with a prompt first)")
         log_probs = torch.stack([state.next_log_probs for state in states])
         chosen = gumbel_sample(log_probs, generator)
         picked = log_probs.to("cpu", torch.float64).gather(1, chosen[:, None])[:, 0]

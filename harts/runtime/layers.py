@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harts.errors import ModelInputError
 from harts.numerics import compute_dtype
 from harts.runtime.config import HybridConfig
 from harts.runtime.view import ExecutionView
@@ -86,7 +87,7 @@ class GatedRMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6, activation: str = "silu"):
         super().__init__()
         if activation not in ("silu", "sigmoid"):
-            raise ValueError(f"GatedRMSNorm activation must be 'silu' or 'sigmoid', got {activation!r}")
+            raise ModelInputError(f"GatedRMSNorm activation must be 'silu' or 'sigmoid', got {activation!r}")
         self.eps = eps
         self.activation = activation
         self.weight = nn.Parameter(torch.ones(dim))

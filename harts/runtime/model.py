@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from harts.errors import ModelInputError
 from harts.runtime.config import HybridConfig
 from harts.runtime.layers import (
     MLP,
@@ -152,18 +153,18 @@ class HybridModel(nn.Module):
     ) -> tuple[torch.Tensor, MoEStats]:
         """input_ids [C], routed_experts [C, L_moe, k] or None -> (hidden [C, D] after the final norm, MoE statistics weighted by view.row_weight)."""
         if input_ids.dim() != 1:
-            raise ValueError(f"input_ids must be 1-D [C], got shape {tuple(input_ids.shape)}")
+            raise ModelInputError(f"input_ids must be 1-D [C], got shape {tuple(input_ids.shape)}")
         if input_ids.shape[0] != view.num_rows:
-            raise ValueError(f"input_ids has {input_ids.shape[0]} rows but the view has {view.num_rows}")
+            raise ModelInputError(f"input_ids has {input_ids.shape[0]} rows but the view has {view.num_rows}")
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
-            raise ValueError(
+            raise ModelInputError(
                 f"input_ids must lie in [0, {self.config.vocab_size}); got range "
                 f"[{int(input_ids.min())}, {int(input_ids.max())}]"
             )
         if routed_experts is not None:
             expected = (input_ids.shape[0], self.config.num_moe_layers, self.config.num_experts_per_tok)
             if tuple(routed_experts.shape) != expected:
-                raise ValueError(
+                raise ModelInputError(
                     f"routed_experts must have shape [rows, MoE layers, top_k] = {list(expected)}, got {list(routed_experts.shape)}"
                 )
         x = self.embed(input_ids)

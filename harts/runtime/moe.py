@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harts.errors import ModelInputError
 from harts.kernels import dispatch as kernel_dispatch
 from harts.runtime.config import HybridConfig
 from harts.runtime.layers import MLP, compute_dtype
@@ -101,7 +102,7 @@ class MoEStats:
     def merge(a: MoEStats, b: MoEStats) -> MoEStats:
         """Sum the statistics of two microbatches of the same model."""
         if a.prob_mass.shape != b.prob_mass.shape:
-            raise ValueError(
+            raise ModelInputError(
                 f"MoEStats.merge: shapes differ ({tuple(a.prob_mass.shape)} vs {tuple(b.prob_mass.shape)}); "
                 "both must come from the same model"
             )
@@ -151,7 +152,7 @@ def apply_expert_bias_update(model: nn.Module, stats: MoEStats, *, rate: float) 
     """
     routers = [module.gate for module in model.modules() if isinstance(module, SparseMoeBlock)]
     if len(routers) != stats.num_layers:
-        raise ValueError(f"stats hold {stats.num_layers} MoE layer(s) but the model has {len(routers)}")
+        raise ModelInputError(f"stats hold {stats.num_layers} MoE layer(s) but the model has {len(routers)}")
     load = expert_load(stats)
     update = rate * torch.sign(load.mean(dim=1, keepdim=True) - load)
     for router, layer_update in zip(routers, update):
@@ -220,12 +221,12 @@ class TopKRouter(nn.Module):
 
     def _check_routed(self, routed: torch.Tensor, rows: int) -> None:
         if routed.shape != (rows, self.top_k) or routed.dtype.is_floating_point:
-            raise ValueError(
+            raise ModelInputError(
                 f"routed experts must be integer ids of shape [{rows}, {self.top_k}] (rows, top_k); "
                 f"got {routed.dtype} of shape {tuple(routed.shape)}"
             )
         if routed.numel() and (int(routed.min()) < 0 or int(routed.max()) >= self.num_experts):
-            raise ValueError(f"routed expert ids must lie in [0, {self.num_experts}); got [{int(routed.min())}, {int(routed.max())}]")
+            raise ModelInputError(f"routed expert ids must lie in [0, {self.num_experts}); got [{int(routed.min())}, {int(routed.max())}]")
 
 
 class Experts(nn.Module):

@@ -19,12 +19,13 @@ copy. ``row_weight`` is each row's multiplicity q.
 
 from __future__ import annotations
 
-from types import ModuleType
 
 import torch
 
+from harts.errors import ModelInputError
 from harts.ir.layout import MicrobatchLayout
 from harts.runtime.programs import RUNTIME_CACHE, LayoutCache
+from harts.kernels.interface import Kernels
 
 __all__ = ["TreeView"]
 
@@ -34,7 +35,6 @@ class TreeView:
 
     Args:
         layout: the microbatch's :class:`~harts.codegen.layout.MicrobatchLayout`.
-        chunk_size: B of the linear-attention kernel; must equal the plan's (None: the plan's).
         device: where index tensors and programs live.
         kernels: module with ``chunk_linear_attention``, ``causal_conv1d`` and ``attention``
             (default: the kernel dispatch of :mod:`harts.kernels`).
@@ -45,25 +45,20 @@ class TreeView:
     def __init__(
         self,
         layout: MicrobatchLayout,
-        chunk_size: int | None = None,
         device: torch.device | str | None = None,
         *,
-        kernels: ModuleType | None = None,
+        kernels: Kernels | None = None,
         programs: LayoutCache = RUNTIME_CACHE,
     ):
-        if chunk_size is not None and chunk_size != layout.chunk_size:
-            raise ValueError(
-                f"TreeView: chunk_size {chunk_size} differs from the plan's chunk size {layout.chunk_size}; "
-                "replay anchors and exported states sit on the plan's chunk grid"
-            )
         self.layout = layout
+        # B of every linear-attention call: the plan's (replay anchors and exported states sit on its chunk grid)
         self.chunk_size = layout.chunk_size
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.kernels = kernels
         self.programs = programs
         self.num_rows = layout.num_rows
-        self.positions = torch.as_tensor(layout.row_position, dtype=torch.long).to(self.device)
-        self.row_weight = torch.as_tensor(layout.row_multiplicity).to(self.device, torch.get_default_dtype())
+        self.positions = torch.tensor(layout.row_position, dtype=torch.long).to(self.device)
+        self.row_weight = torch.tensor(layout.row_multiplicity).to(self.device, torch.get_default_dtype())
 
     def __repr__(self) -> str:
         layout = self.layout
@@ -94,5 +89,5 @@ class TreeView:
 
     def _check_rows(self, tensor: torch.Tensor, what: str) -> None:
         if tensor.shape[0] != self.num_rows:
-            raise ValueError(f"TreeView of microbatch {self.layout.microbatch}: {what} has {tensor.shape[0]} rows, expected {self.num_rows}")
+            raise ModelInputError(f"TreeView of microbatch {self.layout.microbatch}: {what} has {tensor.shape[0]} rows, expected {self.num_rows}")
 

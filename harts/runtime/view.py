@@ -25,12 +25,13 @@ state / zero context. The prefix-sharing implementation (``TreeView``) lives in
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import ModuleType
 from typing import Protocol, runtime_checkable
 
 import torch
 
+from harts.errors import ModelInputError
 from harts.kernels import dispatch as default_kernels
+from harts.kernels.interface import Kernels
 
 __all__ = ["BaselineView", "ExecutionView"]
 
@@ -86,14 +87,14 @@ class BaselineView:
         chunk_size: int,
         device: torch.device | str | None = None,
         *,
-        kernels: ModuleType | None = None,
+        kernels: Kernels | None = None,
     ):
         lengths = [int(n) for n in lengths]
         if any(n < 0 for n in lengths):
             bad = next(i for i, n in enumerate(lengths) if n < 0)
-            raise ValueError(f"BaselineView: sequence {bad} has negative length {lengths[bad]}")
+            raise ModelInputError(f"BaselineView: sequence {bad} has negative length {lengths[bad]}")
         if not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"BaselineView: chunk_size must be a positive int, got {chunk_size!r}")
+            raise ModelInputError(f"BaselineView: chunk_size must be a positive int, got {chunk_size!r}")
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.lengths = lengths
         self.chunk_size = chunk_size

@@ -34,6 +34,12 @@ BOS, SEP, OBS = 0, 1, 2
 FIRST_DIGIT = 3
 
 
+#: Bounds of the task's options. The vocabulary is modulus + 8 tokens (a modulus of 2e9 asked for a 256 GB
+#: embedding); every prompt samples turn_length tokens per turn on each branch of its tree, one decode step
+#: each (turn_length 100000 ran past 300 s for one RL step); prompts multiply both.
+OPTION_RANGES = {"prompts": (1, 1024), "turn_length": (1, 64), "modulus": (2, 1024)}
+
+
 class CountingTask(Task):
     name = "count"
     summary = "count mod 8 in steps of k (1-3) over two turns; reward: fraction of right digits"
@@ -42,9 +48,11 @@ class CountingTask(Task):
 
     def __init__(self, *, prompts: int = 16, turn_length: int = 4, modulus: int = 8, steps: Sequence[int] | None = None,
                  shape: TreeShape | None = None):
-        for name, value, least in (("prompts", prompts, 1), ("turn_length", turn_length, 1), ("modulus", modulus, 2)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise HartsError(f"task 'count': option {name} must be an int >= {least}, got {value!r}")
+        for name, value, (least, most) in (("prompts", prompts, OPTION_RANGES["prompts"]),
+                                           ("turn_length", turn_length, OPTION_RANGES["turn_length"]),
+                                           ("modulus", modulus, OPTION_RANGES["modulus"])):
+            if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+                raise HartsError(f"task 'count': option {name} must be an int in [{least}, {most}], got {value!r}")
         if steps is None:
             steps = tuple(k for k in (1, 2, 3) if k < modulus)
         if not steps or any(not 1 <= int(k) < modulus for k in steps):
@@ -56,16 +64,16 @@ class CountingTask(Task):
         self.prompts_per_step = prompts
         self.instruction = tuple(range(FIRST_DIGIT + self.modulus, FIRST_DIGIT + self.modulus + 5))
         self.vocab_size = FIRST_DIGIT + self.modulus + len(self.instruction)
-        # A small hybrid policy: KDA, MLA, MoE (the "tiny" preset, shrunk); chunk 4 puts forks
-        # before, on and after chunk boundaries.
+        # A small hybrid policy: KDA, MLA, MoE (the "tiny" preset, shrunk).
         self.model = dict(
             vocab_size=self.vocab_size, hidden_size=32, num_layers=3, layer_types=("linear", "full", "linear"),
-            chunk_size=4, intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+            intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=16,
             linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
             num_attention_heads=2, head_dim=8, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
         )
         # One update per batch (verl's default ppo_epochs) and Adam eps 1e-4: see "Sensitivity" in harts.train.online.
-        self.defaults = dict(steps=100, lr=2e-3, epochs=1, adam_eps=1e-4, dtype="float64")
+        # Plans with chunk 4 put forks before, on and after chunk boundaries.
+        self.defaults = dict(steps=100, lr=2e-3, epochs=1, adam_eps=1e-4, dtype="float64", chunk_size=4)
 
     def digit(self, value: int) -> int:
         return FIRST_DIGIT + value % self.modulus

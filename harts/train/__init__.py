@@ -13,7 +13,7 @@ its replica owns; wrap the model in ``DistributedDataParallel`` or ``fully_shard
 
 from harts.train.config import ALGORITHMS, MODES, TrainConfig, TrainingError
 from harts.train.distributed import ProcessGroupInfo, gradient_sync, replica_microbatches, wrap_model, wrapper_kind
-from harts.train.trainer import StepResult, Trainer, train_step
+from harts.train.trainer import NonFiniteStepError, StepResult, Trainer, train_step
 
 __all__ = [
     "ALGORITHMS",

@@ -10,7 +10,7 @@ import attrs
 from harts.errors import HartsError
 from harts.rl import REDUCTIONS
 
-__all__ = ["ALGORITHMS", "MODES", "TrainConfig", "TrainingError"]
+__all__ = ["ALGORITHMS", "MAX_SEED", "MIN_TEMPERATURE", "MODES", "OptionRule", "TrainConfig", "TrainingError", "option_problem"]
 
 ALGORITHMS = ("grpo", "ppo")
 MODES = ("harts", "baseline")
@@ -22,9 +22,73 @@ class TrainingError(HartsError, ValueError):
     """A training step cannot run as configured (options, plan, process group or model wrapper)."""
 
 
-def _non_negative(instance, attribute, value) -> None:
-    if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-        raise TrainingError(f"TrainConfig.{attribute.name} must be a finite number >= 0, got {value!r}")
+#: Below this, softmax(z / T) is one-hot to float32 precision: every other token's log-prob is -inf
+#: and the step's gradient NaN (greedy decoding leaves no log-probs to train on).
+MIN_TEMPERATURE = 1e-3
+#: torch.manual_seed takes a 64-bit seed; a signed one keeps it the same in NumPy and every framework.
+MAX_SEED = 2**63 - 1
+
+
+@attrs.frozen
+class OptionRule:
+    """An attrs validator that can also say, without raising, what is wrong with a value.
+
+    The library (``TrainConfig(...)``, ``RunOptions(...)``) raises a :class:`TrainingError` naming
+    ``Class.field``; the YAML and flag reader (:func:`harts.train.loop.load_options`) asks
+    :meth:`problem` first so that its message names the file and key or the flag instead.
+    """
+
+    kind: str  # "int", "number", "bool" or "text"
+    minimum: float | None = None  # inclusive
+    above: float | None = None  # exclusive lower bound
+    maximum: float | None = None  # inclusive
+    optional: bool = False
+    choices: tuple[str, ...] | None = None
+    hint: str = ""
+
+    def problem(self, value: Any) -> str | None:
+        if value is None and self.optional:
+            return None
+        if self.kind == "bool":
+            if isinstance(value, bool):
+                return None
+            quoted = " (a quoted string: write true or false without quotes)" if isinstance(value, str) else ""
+            return f"must be true or false, got {value!r}{quoted}"
+        if self.kind == "text":
+            if not isinstance(value, str):
+                return f"must be a string, got {value!r} ({type(value).__name__})"
+            if self.choices is not None and value not in self.choices:
+                return f"must be one of {', '.join(self.choices)}, got {value!r}"
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"must be {'an integer' if self.kind == 'int' else 'a number'}, got {value!r}"
+        if self.kind == "int" and not isinstance(value, int):
+            return f"must be an integer, got {value!r}"
+        if not math.isfinite(value):
+            return f"must be a finite number, got {value!r}"
+        if self.minimum is not None and value < self.minimum:
+            return f"must be >= {self.minimum:g}, got {value!r}{self.hint}"
+        if self.above is not None and not value > self.above:
+            return f"must be > {self.above:g}, got {value!r}{self.hint}"
+        if self.maximum is not None and value > self.maximum:
+            return f"must be <= {self.maximum:g}, got {value!r}{self.hint}"
+        return None
+
+    def __call__(self, instance, attribute, value) -> None:
+        problem = self.problem(value)
+        if problem is not None:
+            raise TrainingError(f"{type(instance).__name__}.{attribute.name} {problem}")
+
+
+def option_problem(cls, name: str, value: Any) -> str | None:
+    """What :class:`OptionRule` of field ``name`` of the attrs class ``cls`` finds wrong with ``value`` (None: fine)."""
+    rule = attrs.fields_dict(cls)[name].validator
+    return rule.problem(value) if isinstance(rule, OptionRule) else None
+
+
+_non_negative = OptionRule("number", minimum=0)
+_optional_non_negative = OptionRule("number", minimum=0, optional=True)
+_flag = OptionRule("bool")
 
 
 @attrs.frozen(kw_only=True)
@@ -54,46 +118,34 @@ class TrainConfig:
         row_chunk: rows per vocabulary block of the log-prob computation (None: automatic).
     """
 
-    algorithm: str = "grpo"
-    mode: str = "harts"
-    epochs: int = 1
-    reduction: str | None = None
+    algorithm: str = attrs.field(default="grpo", validator=OptionRule("text", choices=ALGORITHMS))
+    mode: str = attrs.field(default="harts", validator=OptionRule("text", choices=MODES))
+    epochs: int = attrs.field(default=1, validator=OptionRule("int", minimum=1))
+    reduction: str | None = attrs.field(default=None, validator=OptionRule("text", choices=REDUCTIONS, optional=True))
     clip_eps: float = attrs.field(default=0.2, validator=_non_negative)
-    clip_eps_high: float | None = attrs.field(default=None, validator=_non_negative)
-    dual_clip: float | None = None
+    clip_eps_high: float | None = attrs.field(default=None, validator=_optional_non_negative)
+    dual_clip: float | None = attrs.field(default=None, validator=OptionRule("number", above=1.0, optional=True))
     kl_coef: float = attrs.field(default=0.0, validator=_non_negative)
-    entropy_coef: float = 0.0
-    temperature: float = 1.0
-    max_grad_norm: float | None = attrs.field(default=1.0, validator=_non_negative)
+    entropy_coef: float = attrs.field(default=0.0, validator=OptionRule("number"))
+    temperature: float = attrs.field(default=1.0, validator=OptionRule(
+        "number", minimum=MIN_TEMPERATURE, hint=" (below it the softmax is one-hot in float32 and the log-probs -inf)"))
+    max_grad_norm: float | None = attrs.field(default=1.0, validator=OptionRule(
+        "number", above=0.0, optional=True, hint=" (0 would zero every update; leave it unset (null) to only measure the norm)"))
     z_loss_coef: float = attrs.field(default=0.0, validator=_non_negative)
     aux_loss_coef: float = attrs.field(default=0.0, validator=_non_negative)
     expert_bias_rate: float = attrs.field(default=0.0, validator=_non_negative)
-    recompute: bool = False
-    recompute_old_log_probs: bool = True
-    with_entropy: bool = True
-    row_chunk: int | None = None
+    recompute: bool = attrs.field(default=False, validator=_flag)
+    recompute_old_log_probs: bool = attrs.field(default=True, validator=_flag)
+    with_entropy: bool = attrs.field(default=True, validator=_flag)
+    row_chunk: int | None = attrs.field(default=None, validator=OptionRule("int", minimum=1, optional=True))
 
     def __attrs_post_init__(self) -> None:
-        if self.algorithm not in ALGORITHMS:
-            raise TrainingError(f"TrainConfig.algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
-        if self.mode not in MODES:
-            raise TrainingError(f"TrainConfig.mode must be one of {MODES}, got {self.mode!r}")
-        if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 1:
-            raise TrainingError(f"TrainConfig.epochs must be a positive int, got {self.epochs!r}")
-        if self.reduction is not None and self.reduction not in REDUCTIONS:
-            raise TrainingError(f"TrainConfig.reduction must be one of {REDUCTIONS} or None, got {self.reduction!r}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0):
-            raise TrainingError(f"TrainConfig.temperature must be a positive finite number, got {self.temperature!r}")
         if self.algorithm == "grpo" and self.dual_clip is not None:
             raise TrainingError("TrainConfig.dual_clip belongs to the PPO objective; GRPO (harts.rl.grpo_loss) has none")
         if self.algorithm == "ppo" and self.kl_coef:
             raise TrainingError("TrainConfig.kl_coef: the PPO objective (harts.rl.ppo_loss) has no KL term; use algorithm='grpo'")
-        if self.dual_clip is not None and not self.dual_clip > 1.0:
-            raise TrainingError(f"TrainConfig.dual_clip must exceed 1, got {self.dual_clip!r}")
         if self.entropy_coef and not self.with_entropy:
             raise TrainingError("TrainConfig.entropy_coef needs with_entropy=True")
-        if self.row_chunk is not None and (not isinstance(self.row_chunk, int) or self.row_chunk < 1):
-            raise TrainingError(f"TrainConfig.row_chunk must be a positive int or None, got {self.row_chunk!r}")
 
     @property
     def loss_reduction(self) -> str:

@@ -47,8 +47,13 @@ def run_demo(
 ) -> dict[str, Any]:
     """Run the main job and return its figures (the CLI prints them).
 
-    ``on_progress(title, phase, done, total)`` is called after every microbatch.
+    ``on_progress(title, phase, done, total)`` is called after every microbatch. ``plot`` must be
+    new or a figure HARTS drew, and is checked before any work (:func:`harts.fsio.check_outputs`).
     """
+    from harts.fsio import PNG, check_outputs
+    from harts.rollouts.inputs import input_path
+
+    check_outputs([("--plot", plot, PNG)], [input_path(input)])
     batch = resolve_input(input)
     if all(len(tokens) < 2 for tokens in batch.tokens):
         raise RolloutInputError(f"input {input!r}: every trajectory has a single token, so no token has a log-prob to train on")
@@ -82,7 +87,7 @@ def run_demo(
     if plot is not None:
         from harts.train.plot import plot_metrics
 
-        plot_metrics(records["baseline"] + records["harts"], plot, title=f"harts run {input}: baseline vs HARTS")
+        plot_metrics(records["baseline"] + records["harts"], plot, title=f"harts run {input}: baseline vs HARTS", option="--plot")
 
     def seconds(mode: str, key: str) -> float:
         return sum(r[key] for r in records[mode])

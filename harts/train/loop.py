@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import io
-import json
 import logging
 import math
 import os
@@ -24,63 +22,98 @@ import attrs
 import numpy as np
 import torch
 
-from harts.train.config import TrainConfig, TrainingError
+from harts._version import __version__
+from harts.errors import OutputError
+from harts.options import DEFAULT_OPTIONS, MAX_CAPACITY, MAX_CHUNK_SIZE
+from harts.train.config import MAX_SEED, OptionRule, TrainConfig, TrainingError, option_problem
 from harts.train.distributed import init_from_environment, wrap_model
 from harts.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CLI_TRAIN_DEFAULTS", "RunOptions", "TrainingRun", "build_model", "load_options", "make_optimizer", "run_training",
-           "save_weights", "training_advantages"]
+__all__ = ["CLI_TRAIN_DEFAULTS", "MetricsFile", "RunOptions", "TrainingRun", "build_model", "check_run_outputs", "load_options",
+           "make_optimizer", "run_training", "save_weights", "training_advantages"]
 
 #: Where ``harts train`` departs from :class:`TrainConfig`'s defaults: a GRPO loop as RL
 #: trainers run it (two epochs per batch, KL to the initial policy, expert-bias balancing).
 CLI_TRAIN_DEFAULTS: dict[str, Any] = {"epochs": 2, "kl_coef": 1e-3, "expert_bias_rate": 1e-3}
 
 
-def _positive(instance, attribute, value) -> None:
-    if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
-        raise TrainingError(f"option {attribute.name} must be positive, got {value!r}")
+#: torch.set_float32_matmul_precision's settings.
+MATMUL_PRECISIONS = ("highest", "high", "medium")
+
+
+def _text(optional: bool = True, choices: tuple[str, ...] | None = None) -> OptionRule:
+    return OptionRule("text", optional=optional, choices=choices)
+
+
+def _mapping(instance, attribute, value) -> None:
+    if not isinstance(value, Mapping):
+        raise TrainingError(f"{type(instance).__name__}.{attribute.name} must be a mapping of model config fields, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
 class RunOptions:
     """Everything ``harts train`` needs; ``train`` holds the step's :class:`TrainConfig`."""
 
-    input: str | None = None
-    task: str | None = None  # an online RL task (harts.tasks) instead of a fixed batch: see harts.train.online
-    both_modes: bool = False  # --mode both (tasks only): HARTS and the baseline side by side from one seed
-    preset: str = "tiny"
-    hf: str | None = None
-    model: Mapping[str, Any] = attrs.field(factory=dict)  # preset overrides, e.g. {"num_layers": 2}
-    steps: int = attrs.field(default=3, validator=_positive)
-    lr: float = attrs.field(default=1e-4, validator=_positive)
-    weight_decay: float = 0.0
-    adam_eps: float | None = attrs.field(default=None, validator=_positive)  # None: torch's AdamW default (1e-8)
-    dtype: str | None = None
-    seed: int = 0
-    capacity: int = attrs.field(default=65536, validator=_positive)
-    chunk_size: int | None = attrs.field(default=None, validator=_positive)
-    dp: int | None = attrs.field(default=None, validator=_positive)
-    parallel: str = "ddp"
-    metrics: str | None = None
-    plot: str | None = None
-    save: str | None = None
+    input: str | None = attrs.field(default=None, validator=_text())
+    task: str | None = attrs.field(default=None, validator=_text())  # an online RL task (harts.tasks): see harts.train.online
+    both_modes: bool = attrs.field(default=False, validator=OptionRule("bool"))  # --mode both (tasks only)
+    preset: str = attrs.field(default="tiny", validator=_text(optional=False))
+    hf: str | None = attrs.field(default=None, validator=_text())
+    model: Mapping[str, Any] = attrs.field(factory=dict, validator=_mapping)  # preset overrides, e.g. {"num_layers": 2}
+    steps: int = attrs.field(default=3, validator=OptionRule("int", minimum=1))
+    lr: float = attrs.field(default=1e-4, validator=OptionRule("number", above=0.0))
+    weight_decay: float = attrs.field(default=0.0, validator=OptionRule("number", minimum=0.0))
+    adam_eps: float | None = attrs.field(default=None, validator=OptionRule("number", above=0.0, optional=True))  # None: 1e-8
+    dtype: str | None = attrs.field(default=None, validator=_text())
+    seed: int = attrs.field(default=0, validator=OptionRule("int", minimum=0, maximum=MAX_SEED))
+    capacity: int = attrs.field(default=65536, validator=OptionRule("int", minimum=1, maximum=MAX_CAPACITY))
+    chunk_size: int = attrs.field(default=DEFAULT_OPTIONS.chunk_size,
+                                  validator=OptionRule("int", minimum=1, maximum=MAX_CHUNK_SIZE))  # the plan's B
+    dp: int | None = attrs.field(default=None, validator=OptionRule("int", minimum=1, optional=True))
+    parallel: str = attrs.field(default="ddp", validator=_text(optional=False, choices=("ddp", "fsdp")))
+    metrics: str | None = attrs.field(default=None, validator=_text())
+    plot: str | None = attrs.field(default=None, validator=_text())
+    save: str | None = attrs.field(default=None, validator=_text())
+    # torch.set_float32_matmul_precision for the run; None: "high" (TF32) on CUDA, "highest" elsewhere
+    matmul_precision: str | None = attrs.field(default=None, validator=_text(choices=MATMUL_PRECISIONS))
     train: TrainConfig = attrs.field(factory=lambda: TrainConfig(**CLI_TRAIN_DEFAULTS))
 
 
 _RUN_FIELDS = tuple(f.name for f in attrs.fields(RunOptions) if f.name != "train")
 
 
+def _yaml_loader():
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one silently)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"key {key!r} is given twice (first {seen[key]}); give each option once", key_node.start_mark)
+                seen[key] = key_node.start_mark
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     import yaml
 
     try:
-        document = yaml.safe_load(path.read_text())
+        document = yaml.load(path.read_text(), Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
     except OSError as error:
         raise TrainingError(f"config {path}: cannot be read ({error.strerror or error})") from error
+    except UnicodeDecodeError as error:
+        raise TrainingError(f"config {path}: not UTF-8 text ({error.reason} at byte {error.start})") from error
     except yaml.YAMLError as error:
-        raise TrainingError(f"config {path}: not valid YAML ({error})") from error
+        raise TrainingError(f"config {path}: not valid YAML ({' '.join(str(error).split())})") from error
     if document is None:
         return {}
     if not isinstance(document, dict):
@@ -97,11 +130,34 @@ def _coerce(value: Any, declared: str, source: str) -> Any:
         raise TrainingError(f"{source} must be {'an int' if kind == 'int' else 'a number'}, got {value!r}")
     try:
         number = float(value) if kind == "float" else int(value)
-    except ValueError as error:
+    except (ValueError, OverflowError) as error:  # OverflowError: int(inf)
         raise TrainingError(f"{source} must be {'an int' if kind == 'int' else 'a number'}, got {value!r}") from error
     if kind == "int" and isinstance(value, float) and value != number:
         raise TrainingError(f"{source} must be an int, got {value!r}")
     return number
+
+
+def _refuse_unknown(values: Mapping[str, Any], sources: Mapping[str, str], known: list[str]) -> None:
+    """An unknown option is refused, with the closest known one when it looks like a typo."""
+    import difflib
+
+    for name in sorted(set(values) - set(known)):
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else f"; options: {', '.join(known)}"
+        raise TrainingError(f"{sources[name]} is unknown{hint}")
+
+
+#: Options that the first one makes meaningless: given together they are refused, never silently dropped.
+_CONFLICTS = (
+    ("hf", "preset", "a --hf checkpoint brings its own architecture; give --preset or --hf, not both"),
+    ("task", "dp", "an online task runs on one process and plans each step for it; --dp applies to a fixed batch"),
+)
+
+
+def _refuse_conflicts(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
+    for first, second, why in _CONFLICTS:
+        if values.get(first) is not None and values.get(second) is not None:
+            raise TrainingError(f"{sources[first]} and {sources[second]} do not go together: {why}")
 
 
 def load_options(flags: Mapping[str, Any], config: str | os.PathLike | None = None) -> RunOptions:
@@ -117,6 +173,7 @@ def load_options(flags: Mapping[str, Any], config: str | os.PathLike | None = No
         if value is not None:
             values[key] = value
             sources[key] = f"option --{key.replace('_', '-')}"
+    _refuse_conflicts(values, sources)
     if values.get("mode") == "both":
         if not values.get("task"):
             raise TrainingError(f"{sources['mode']}: 'both' runs HARTS and the baseline side by side on an online task; give --task")
@@ -132,16 +189,17 @@ def load_options(flags: Mapping[str, Any], config: str | os.PathLike | None = No
                 values[key] = value
                 sources[key] = f"task {values['task']!r}: default '{key}'"
     train_fields = set(TrainConfig.field_names())
-    unknown = sorted(set(values) - set(_RUN_FIELDS) - train_fields)
-    if unknown:
-        raise TrainingError(f"{sources[unknown[0]]} is unknown; options: {', '.join(sorted(set(_RUN_FIELDS) | train_fields))}")
+    _refuse_unknown(values, sources, sorted(set(_RUN_FIELDS) | train_fields))
     declared = {f.name: str(f.type) for f in (*attrs.fields(RunOptions), *attrs.fields(TrainConfig))}
     for name, value in values.items():
         values[name] = _coerce(value, declared[name], sources[name])
+        problem = option_problem(TrainConfig if name in train_fields else RunOptions, name, values[name])
+        if name == "model" and not isinstance(values[name], Mapping):
+            problem = f"must be a mapping of model config fields (e.g. num_layers: 2), got {values[name]!r}"
+        if problem is not None:
+            raise TrainingError(f"{sources[name]} {problem}")
     train_values = {**CLI_TRAIN_DEFAULTS, **{k: v for k, v in values.items() if k in train_fields}}
     run_values = {k: v for k, v in values.items() if k in _RUN_FIELDS}
-    if "model" in run_values and not isinstance(run_values["model"], Mapping):
-        raise TrainingError(f"{sources['model']} must be a mapping of model config fields")
     if run_values.get("hf") and run_values.get("model"):
         raise TrainingError("model overrides apply to presets; a --hf checkpoint brings its own config")
     return RunOptions(**run_values, train=TrainConfig(**train_values))
@@ -174,13 +232,11 @@ def build_model(options: RunOptions, batch, device: torch.device | str = "cpu"):
     if options.hf is not None:
         from harts.models import from_hf
 
-        model = from_hf(options.hf, chunk_size=options.chunk_size or 64, dtype=options.dtype)
+        model = from_hf(options.hf, dtype=options.dtype)
     else:
         overrides = dict(options.model)
         if options.dtype is not None:
             overrides["dtype"] = options.dtype
-        if options.chunk_size is not None:
-            overrides["chunk_size"] = options.chunk_size
         if "vocab_size" not in overrides:
             from harts.runtime.config import PRESETS
 
@@ -202,16 +258,25 @@ def _full_state_dict(model) -> dict[str, torch.Tensor]:
     return state
 
 
-def save_weights(model, path: str | os.PathLike, *, rank: int = 0) -> Path | None:
-    """Write the model's weights as safetensors (atomically, rank 0; every rank must call under FSDP2)."""
+def save_weights(model, path: str | os.PathLike, *, rank: int = 0, option: str | None = None) -> Path | None:
+    """Write the model's weights as safetensors (atomically, rank 0; every rank must call under FSDP2).
+
+    ``path`` must be new or weights HARTS wrote (:data:`harts.fsio.WEIGHTS`, marked in the file's
+    metadata); anything else raises :class:`~harts.errors.OutputError` and is left untouched.
+    """
     from safetensors.torch import save
 
-    from harts.fsio import atomic_write_bytes
+    from harts.fsio import ARTIFACT_KEY, WEIGHTS, atomic_write_bytes, check_output
 
-    state = _full_state_dict(model)
+    state = _full_state_dict(model)  # a collective under FSDP2: every rank gets here before rank 0 may refuse
     if rank != 0:
         return None
-    return atomic_write_bytes(path, save(state, metadata={"format": "pt"}))
+    check_output(path, WEIGHTS, option=option)
+    data = save(state, metadata={"format": "pt", ARTIFACT_KEY: "weights", "harts_version": __version__})
+    try:
+        return atomic_write_bytes(path, data)
+    except OSError as error:
+        raise OutputError(f"{option or 'cannot write the weights to'} {path}: {error.strerror or error}") from error
 
 
 def _json_ready(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -220,20 +285,36 @@ def _json_ready(record: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class MetricsFile:
-    """Appends one JSON object per optimizer step to a ``.jsonl`` file, flushed line by line."""
+    """Appends one JSON object per optimizer step to a ``.jsonl`` file, each record whole or not at all.
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    The file must be new or one HARTS appended to (every record carries the
+    :data:`harts.fsio.METRICS_MARKER` key); see :class:`harts.fsio.RecordAppender`.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, option: str | None = None) -> None:
+        from harts.fsio import METRICS, RecordAppender
+
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._handle: io.TextIOBase = open(self.path, "a", encoding="utf-8")
+        self._appender = RecordAppender(self.path, METRICS, option=option)
 
     def write(self, record: Mapping[str, Any]) -> None:
-        self._handle.write(json.dumps(_json_ready(record), sort_keys=True) + "\n")
-        self._handle.flush()
-        os.fsync(self._handle.fileno())
+        from harts.fsio import metrics_line
+
+        self._appender.append(metrics_line(_json_ready(record)))
 
     def close(self) -> None:
-        self._handle.close()
+        self._appender.close()
+
+
+def check_run_outputs(options: RunOptions, *, config: str | os.PathLike | None = None) -> None:
+    """Apply the output-ownership rule (:func:`harts.fsio.check_outputs`) to a run's --metrics, --plot and --save,
+    before any work: each must be new or HARTS's own of its kind, apart from the others and from the run's inputs."""
+    from harts.fsio import METRICS, PNG, WEIGHTS, check_outputs
+    from harts.rollouts.inputs import input_path
+
+    inputs = [None if options.input is None else input_path(options.input), options.hf, config]
+    check_outputs([("--metrics", options.metrics, METRICS), ("--plot", options.plot, PNG), ("--save", options.save, WEIGHTS)],
+                  inputs)
 
 
 @contextlib.contextmanager
@@ -286,8 +367,14 @@ def run_training(options: RunOptions, *, console=None, progress: bool = True) ->
         raise TrainingError("no rollout batch: give INPUT (a node table or a preset), 'input' in the config, or --task NAME")
     if options.parallel not in ("ddp", "fsdp"):
         raise TrainingError(f"option --parallel must be 'ddp' or 'fsdp', got {options.parallel!r}")
+    check_run_outputs(options)
     group, device, created = init_from_environment()
     metrics_file = None
+    previous_precision = torch.get_float32_matmul_precision()
+    # The log-prob head forms its [rows, vocab] logits in fp32 (exact normalisers); at "highest" those
+    # GEMMs take about half of a bf16 training pass on an H200. TF32 is what bf16 stacks run, and
+    # what `harts-bench` times, so the loop a user runs matches the benchmark's pass.
+    torch.set_float32_matmul_precision(options.matmul_precision or ("high" if device.type == "cuda" else "highest"))
     try:
         batch = resolve_input(options.input)
         advantages = training_advantages(batch)
@@ -297,13 +384,13 @@ def run_training(options: RunOptions, *, console=None, progress: bool = True) ->
         if options.train.kl_coef:
             reference = copy.deepcopy(model).requires_grad_(False)
         dp_size = options.dp or group.world_size
-        plan = compile_batch(batch, capacity=options.capacity, dp_size=dp_size, chunk_size=model.config.chunk_size,
+        plan = compile_batch(batch, capacity=options.capacity, dp_size=dp_size, chunk_size=options.chunk_size,
                              progress=progress and group.rank == 0)
         wrapped = wrap_model(model, options.parallel, device) if group.distributed else model
         optimizer = make_optimizer(wrapped, options)
         trainer = Trainer(wrapped, optimizer, options.train, reference_model=reference)
         if options.metrics is not None and group.rank == 0:
-            metrics_file = MetricsFile(options.metrics)
+            metrics_file = MetricsFile(options.metrics, option="--metrics")
         records: list[dict[str, Any]] = []
         logger.info("training %s on %s: %d step(s) of %d epoch(s), mode %s, %d rank(s)", description, options.input,
                     options.steps, options.train.epochs, options.train.mode, group.world_size)
@@ -323,11 +410,13 @@ def run_training(options: RunOptions, *, console=None, progress: bool = True) ->
         if options.plot is not None and group.rank == 0:
             from harts.train.plot import plot_metrics
 
-            plot_metrics(records, options.plot, title=f"harts train {options.input}: {description}, {options.train.mode}")
+            plot_metrics(records, options.plot, title=f"harts train {options.input}: {description}, {options.train.mode}",
+                         option="--plot")
         if options.save is not None:
-            save_weights(wrapped, options.save, rank=group.rank)
+            save_weights(wrapped, options.save, rank=group.rank, option="--save")
         return TrainingRun(tuple(records), dict(plan.stats), description, group.world_size, group.rank)
     finally:
+        torch.set_float32_matmul_precision(previous_precision)
         if metrics_file is not None:
             metrics_file.close()
         if created:

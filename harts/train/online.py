@@ -55,7 +55,7 @@ from harts.runtime.decode import IncrementalDecoder
 from harts.tasks import get_task, rollout_batch, sample_rollouts
 from harts.train.compare import compare_modes, mode_trainers
 from harts.train.config import MODES, TrainingError
-from harts.train.loop import MetricsFile, RunOptions, make_optimizer, save_weights, step_progress
+from harts.train.loop import MetricsFile, RunOptions, check_run_outputs, make_optimizer, save_weights, step_progress
 from harts.train.plot import ONLINE_PANELS, plot_metrics
 from harts.train.trainer import Trainer
 
@@ -84,8 +84,6 @@ def build_task_model(options: RunOptions, task) -> HybridModel:
     overrides = {**task.model, **dict(options.model)}
     if options.dtype is not None:
         overrides["dtype"] = options.dtype
-    if options.chunk_size is not None:
-        overrides["chunk_size"] = options.chunk_size
     if overrides.get("vocab_size", task.vocab_size) < task.vocab_size:
         raise TrainingError(f"task {task.name!r} needs vocab_size >= {task.vocab_size}, got {overrides['vocab_size']}")
     torch.manual_seed(options.seed)
@@ -124,11 +122,11 @@ class _ModeRun:
     def step(self, task, options: RunOptions) -> list[dict[str, Any]]:
         started = time.perf_counter()
         episodes = task.episodes(self.prompts)
-        decoder = IncrementalDecoder(self.model, temperature=options.train.temperature)
+        decoder = IncrementalDecoder(self.model, temperature=options.train.temperature, chunk_size=options.chunk_size)
         rollouts = sample_rollouts(decoder, task, episodes, self.noise)
         batch = rollout_batch(rollouts)
         sampling_seconds = time.perf_counter() - started
-        plan = compile_batch(batch, capacity=options.capacity, dp_size=1, chunk_size=self.model.config.chunk_size)
+        plan = compile_batch(batch, capacity=options.capacity, dp_size=1, chunk_size=options.chunk_size)
         result = self.trainer.step(batch, plan)
         rewards = batch.trajectory_fields["reward"]
         figures = {
@@ -178,6 +176,7 @@ def run_online(options: RunOptions, *, modes: tuple[str, ...] | None = None, con
         raise TrainingError(f"modes must be distinct names among {MODES}, got {modes}")
     if options.save is not None and len(modes) > 1:
         raise TrainingError("--save writes one model; run a single --mode to save its weights")
+    check_run_outputs(options)
     task = get_task(options.task)
     initial = build_task_model(options, task)
     description = f"{options.preset} policy ({sum(p.numel() for p in initial.parameters()):,} parameters, {initial.config.dtype})"
@@ -185,7 +184,7 @@ def run_online(options: RunOptions, *, modes: tuple[str, ...] | None = None, con
     trainers = mode_trainers(initial, options.train, lambda model: make_optimizer(model, options), modes=modes,
                              reference_model=reference)
     runs = {mode: _ModeRun(trainer, options) for mode, trainer in trainers.items()}
-    metrics_file = MetricsFile(options.metrics) if options.metrics is not None else None
+    metrics_file = MetricsFile(options.metrics, option="--metrics") if options.metrics is not None else None
     records: list[dict[str, Any]] = []
     logger.info("online RL: %s, %d step(s), modes %s", description, options.steps, ", ".join(modes))
     try:
@@ -209,7 +208,7 @@ def run_online(options: RunOptions, *, modes: tuple[str, ...] | None = None, con
         comparison = compare_modes(records, {mode: model.state_dict() for mode, model in models.items()})
     if options.plot is not None:
         plot_metrics(records, options.plot, panels=ONLINE_PANELS, x="step",
-                     title=f"harts train --task {task.name}: {description}")
+                     title=f"harts train --task {task.name}: {description}", option="--plot")
     if options.save is not None:
-        save_weights(models[modes[0]], options.save)
+        save_weights(models[modes[0]], options.save, option="--save")
     return OnlineRun(task.name, modes, tuple(records), summary, comparison, models, description)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harts.fsio import atomic_write_with
+from harts.fsio import PNG, atomic_write_with, check_output, png_metadata
 
 __all__ = ["ONLINE_PANELS", "PLOTTED_METRICS", "plot_metrics"]
 
@@ -33,8 +33,12 @@ _STYLES = {"harts": dict(linestyle="-", linewidth=2.2), "baseline": dict(linesty
 
 
 def plot_metrics(records: Sequence[dict[str, Any]], path: str | os.PathLike, *, title: str = "",
-                 panels: Sequence[tuple[str, str]] = PLOTTED_METRICS, x: str = "optimizer_step") -> Path:
+                 panels: Sequence[tuple[str, str]] = PLOTTED_METRICS, x: str = "optimizer_step",
+                 option: str | None = None) -> Path:
     """Draw ``panels`` (metric key, title) of ``records`` (one dict per optimizer step) against ``x``; write a PNG atomically.
+
+    ``path`` must be new or a figure HARTS drew (:data:`harts.fsio.PNG`); anything else raises
+    :class:`~harts.errors.OutputError` (naming ``option``) before anything is drawn.
 
     With ``x="step"`` (one point per RL step) each step's first-epoch record is drawn.
 
@@ -44,6 +48,7 @@ def plot_metrics(records: Sequence[dict[str, Any]], path: str | os.PathLike, *, 
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
+    check_output(path, PNG, option=option)
     columns = min(3, len(panels))
     rows = -(-len(panels) // columns)
     figure = Figure(figsize=(4 * columns, 3.25 * rows), layout="constrained")
@@ -67,4 +72,5 @@ def plot_metrics(records: Sequence[dict[str, Any]], path: str | os.PathLike, *, 
             ax.legend()
     if title:
         figure.suptitle(title)
-    return atomic_write_with(path, lambda temporary: figure.savefig(temporary, format="png", dpi=110))
+    metadata = png_metadata("training curves")
+    return atomic_write_with(path, lambda temporary: figure.savefig(temporary, format="png", dpi=110, metadata=metadata))

@@ -31,6 +31,7 @@ as consecutive parts of its members of at most ``capacity`` raw tokens, accumula
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,7 +41,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from harts.errors import PlanArtifactError
+from harts.binding import BoundPlan
+from harts.plan import Plan
 from harts.rl import (
     ADVANTAGE_FIELDS,
     OLD_LOG_PROB_FIELDS,
@@ -49,16 +51,21 @@ from harts.rl import (
     metadata_field,
     policy_loss,
     reduce_tokens,
+    refuse_empty_loss_mask,
     token_metadata,
 )
-from harts.runtime.api import MicrobatchOutput, microbatch_log_probs, microbatch_log_probs_baseline, unwrap_model
+from harts.runtime.api import MicrobatchOutput, bind_plan, microbatch_log_probs, microbatch_log_probs_baseline, unwrap_model
 from harts.runtime.moe import MoEStats, apply_expert_bias_update, load_balancing_loss, z_loss
-from harts.train.config import TrainConfig
+from harts.train.config import TrainConfig, TrainingError
 from harts.train.distributed import ProcessGroupInfo, gradient_sync, replica_microbatches
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepResult", "Trainer", "train_step"]
+__all__ = ["NonFiniteStepError", "StepResult", "Trainer", "train_step"]
+
+
+class NonFiniteStepError(TrainingError):
+    """A step's loss or gradient is NaN or infinite: the step is refused before the optimizer moves any weight."""
 
 #: Batch-level sums behind the metrics (summed over microbatches and ranks).
 _SUMS = ("loss", "policy_loss", "z_loss", "load_balancing_loss", "entropy", "kl", "tokens", "clipped",
@@ -113,10 +120,6 @@ def _log_prob_offsets(batch) -> torch.Tensor:
     return offsets
 
 
-def _module_of(plan: Any):
-    return plan.module if hasattr(plan, "module") else plan
-
-
 @attrs.frozen
 class _Part:
     """What one forward + backward runs: a whole microbatch (HARTS), or, for the baseline, a run of
@@ -146,6 +149,51 @@ def _parts(microbatches, batch, module, mode: str) -> list[_Part]:
         if current:
             parts.append(_Part(mb.index, tuple(current)))
     return parts
+
+
+@attrs.frozen(eq=False)
+class _Step:
+    """What :meth:`Trainer._prepare` reads once per step: the bound plan, this rank's parts and the loss inputs."""
+
+    batch: Any
+    plan: BoundPlan
+    config: TrainConfig
+    group: ProcessGroupInfo
+    parts: list[_Part]
+    advantages: Any
+    old_field: Any
+    ref_field: Any
+    denominator: Any
+    semantic_tokens: int
+    moe_layers: int
+    no_grad_passes: int
+
+
+@attrs.frozen(eq=False)
+class _NoGrad:
+    """The no-grad passes' results: old and reference log-probs by part position, and routed expert counts."""
+
+    old_by_part: dict[int, torch.Tensor]
+    ref_by_part: dict[int, torch.Tensor]
+    routed: torch.Tensor | None
+
+
+class _Progress:
+    """Counts finished microbatches and reports them to the step's ``on_microbatch`` callback."""
+
+    def __init__(self, callback: ProgressCallback | None, total: int) -> None:
+        self.callback, self.total, self.done = callback, total, 0
+
+    def __call__(self, phase: str) -> None:
+        self.done += 1
+        if self.callback is not None:
+            self.callback(phase, self.done, self.total)
+
+
+def _checked_denominator(batch, reduction: str):
+    """The loss denominator over the whole batch, refusing a loss mask that gates no log-prob."""
+    refuse_empty_loss_mask(batch.loss_mask, _log_prob_offsets(batch))
+    return loss_denominator(batch.loss_mask, _log_prob_offsets(batch), reduction)
 
 
 class Trainer:
@@ -197,7 +245,7 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _run(self, model: nn.Module, batch, plan, part: _Part, config: TrainConfig, *, grad: bool) -> MicrobatchOutput:
+    def _run(self, model: nn.Module, batch, plan: BoundPlan, part: _Part, config: TrainConfig, *, grad: bool) -> MicrobatchOutput:
         options = dict(
             recompute=config.recompute and grad,
             with_entropy=config.with_entropy and grad,
@@ -207,8 +255,7 @@ class Trainer:
         )
         if config.mode == "harts":
             return microbatch_log_probs(model, plan, batch, part.microbatch, **options)
-        return microbatch_log_probs_baseline(model, batch, part.trajectories, chunk_size=_module_of(plan).chunk_size,
-                                             **options)
+        return microbatch_log_probs_baseline(model, batch, part.trajectories, chunk_size=plan.plan.chunk_size, **options)
 
     def _moe_layers(self) -> int:
         return int(getattr(getattr(self.module, "config", None), "num_moe_layers", 0))
@@ -218,7 +265,7 @@ class Trainer:
     def step(
         self,
         batch,
-        plan,
+        plan: Plan | BoundPlan,
         *,
         advantages: Any = None,
         mode: str | None = None,
@@ -226,111 +273,63 @@ class Trainer:
     ) -> StepResult:
         """One RL optimisation step of ``batch`` on ``plan`` (see the module docstring).
 
-        ``advantages`` default to the batch's ``advantages`` / ``advantage`` field (one per
-        trajectory or per token). ``mode`` overrides ``config.mode``. ``on_microbatch(phase,
-        done, total)`` is called after every microbatch (progress display).
+        ``plan``: a laid-out :class:`~harts.Plan` (from :func:`harts.compile` or
+        :func:`harts.load_plan`) or one bound to ``batch`` (:meth:`harts.Plan.bind`); it is
+        bound once, here. ``advantages`` default to the batch's ``advantages`` / ``advantage``
+        field (one per trajectory or per token). ``mode`` overrides ``config.mode``.
+        ``on_microbatch(phase, done, total)`` is called after every microbatch (progress display).
         """
         config = self.config if mode is None else self.config.replace(mode=mode)
-        module = _module_of(plan)
-        if module.input_hash != batch.content_hash():
-            raise PlanArtifactError(
-                f"the plan was compiled for batch {module.input_hash[:20]}..., not for this batch ({batch.content_hash()[:20]}...)"
-            )
-        group = ProcessGroupInfo.of(self.model, self.process_group)
-        mine = replica_microbatches(module, group.rank, group.world_size)
-        parts = _parts(mine, batch, module, config.mode)
-        group.check_same((module.input_hash, [(mb.index, mb.replica, mb.slot) for mb in module.microbatches], config), "plan or config")
+        step = self._prepare(batch, plan, config, advantages)
+        progress = _Progress(on_microbatch, (step.no_grad_passes + config.epochs) * len(step.parts))
+        self.optimizer.zero_grad(set_to_none=True)
+        started = self._now()
+        no_grad = self._no_grad_passes(step, progress)
+        logprob_seconds = self._now() - started
+        metrics = tuple(
+            self._epoch(step, no_grad, epoch, progress, logprob_seconds=logprob_seconds if epoch == 0 else 0.0)
+            for epoch in range(config.epochs)
+        )
+        self.steps_done += 1
+        old_by_microbatch: dict[int, list[torch.Tensor]] = {}
+        for position, part in enumerate(step.parts):  # a microbatch's parts are consecutive runs of its sorted members
+            if position in no_grad.old_by_part:
+                old_by_microbatch.setdefault(part.microbatch, []).append(no_grad.old_by_part[position])
+        old_log_probs = {index: torch.cat(pieces) for index, pieces in old_by_microbatch.items()}
+        return StepResult(step=self.steps_done, mode=config.mode, metrics=metrics, old_log_probs=old_log_probs)
 
-        advantages = metadata_field(advantages, batch, ADVANTAGE_FIELDS, "advantages", required=True)
+    def _prepare(self, batch, plan: Plan | BoundPlan, config: TrainConfig, advantages: Any) -> "_Step":
+        """Bind the plan, pick this rank's parts and read what the losses need from the batch."""
+        bound = bind_plan(plan, batch, self.model)
+        module = bound.module
+        group = ProcessGroupInfo.of(self.model, self.process_group)
+        parts = _parts(replica_microbatches(module, group.rank, group.world_size), batch, module, config.mode)
+        group.check_same((module.input_hash, [(mb.index, mb.replica, mb.slot) for mb in module.microbatches], config), "plan or config")
         old_field = None if config.recompute_old_log_probs else metadata_field(None, batch, OLD_LOG_PROB_FIELDS, "old_log_probs")
         ref_field = None
         if self.reference_model is None:
             ref_field = metadata_field(None, batch, REF_LOG_PROB_FIELDS, "ref_log_probs", required=bool(config.kl_coef))
-        reduction = config.loss_reduction
-        denominator = loss_denominator(batch.loss_mask, _log_prob_offsets(batch), reduction)
-        semantic_tokens = batch.semantic_tokens
         moe_layers = self._moe_layers()
-        device = self.device
         no_grad_passes = int(config.recompute_old_log_probs or bool(config.aux_loss_coef and moe_layers))
         no_grad_passes += int(self.reference_model is not None)
-        total = (no_grad_passes + config.epochs) * len(parts)
-        done = 0
+        return _Step(
+            batch=batch, plan=bound, config=config, group=group, parts=parts,
+            advantages=metadata_field(advantages, batch, ADVANTAGE_FIELDS, "advantages", required=True),
+            old_field=old_field, ref_field=ref_field,
+            denominator=_checked_denominator(batch, config.loss_reduction),
+            semantic_tokens=batch.semantic_tokens, moe_layers=moe_layers, no_grad_passes=no_grad_passes,
+        )
 
-        def progress(phase: str) -> None:
-            nonlocal done
-            done += 1
-            if on_microbatch is not None:
-                on_microbatch(phase, done, total)
-
-        self.optimizer.zero_grad(set_to_none=True)
-        started = self._now()
-        old_by_part, ref_by_part, routed = self._no_grad_passes(batch, plan, parts, config, group, progress)
-        logprob_seconds = self._now() - started
-
-        metrics = []
-        for epoch in range(config.epochs):
-            sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=device)
-            maxes = torch.full((len(_MAXES),), float("-inf"), dtype=torch.float64, device=device)
-            loads = None
-            started = self._now()
-            for position, part in enumerate(parts):
-                with gradient_sync(self.model, enabled=position == len(parts) - 1):
-                    out = self._run(self.model, batch, plan, part, config, grad=True)
-                    terms = self._microbatch_loss(
-                        out, batch, config, advantages=advantages, denominator=denominator,
-                        old=old_by_part.get(position, _select(old_field, out.trajectories)),
-                        ref=ref_by_part.get(position, _select(ref_field, out.trajectories)),
-                        routed=routed, semantic_tokens=semantic_tokens,
-                    )
-                    # DDP and FSDP2 average gradients over ranks; the shares already carry batch denominators.
-                    (terms["loss"] * group.world_size).backward()
-                for index, name in enumerate(_SUMS):
-                    if name in terms:
-                        sums[index] += terms[name].detach().to(torch.float64)
-                sums[_SUMS.index("rows")] += out.rows
-                maxes[0] = torch.maximum(maxes[0], terms["ratio_max"].to(torch.float64))
-                maxes[1] = torch.maximum(maxes[1], -terms["ratio_min"].to(torch.float64))
-                if moe_layers:
-                    loads = out.moe.assign_count if loads is None else loads + out.moe.assign_count
-                progress(f"epoch {epoch + 1}")
-            fbgrad_seconds = self._now() - started
-
-            started = self._now()
-            lr = float(self.optimizer.param_groups[0]["lr"])
-            grad_norm = self._clip_and_step(config)
-            if config.expert_bias_rate and moe_layers:
-                self._update_expert_bias(group.all_reduce(loads.clone()), config.expert_bias_rate)
-            optimizer_seconds = self._now() - started
-            self.optimizer_steps += 1
-
-            plan_seconds = 0.0
-            if config.mode == "harts" and epoch == 0:
-                plan_seconds = float((getattr(plan, "stats", None) or {}).get("plan_seconds") or 0.0)
-            maxes[2:] = torch.tensor(
-                [plan_seconds, logprob_seconds if epoch == 0 else 0.0, fbgrad_seconds, optimizer_seconds],
-                dtype=torch.float64, device=device,
-            )
-            group.all_reduce(sums)
-            group.all_reduce(maxes, "max")
-            metrics.append(self._record(epoch, config, sums, maxes, grad_norm, lr, semantic_tokens, moe_layers,
-                                        has_kl=bool(ref_by_part) or ref_field is not None, routed=routed))
-        self.steps_done += 1
-        old_by_microbatch: dict[int, list[torch.Tensor]] = {}
-        for position, part in enumerate(parts):  # a microbatch's parts are consecutive runs of its sorted members
-            if position in old_by_part:
-                old_by_microbatch.setdefault(part.microbatch, []).append(old_by_part[position])
-        old_log_probs = {index: torch.cat(pieces) for index, pieces in old_by_microbatch.items()}
-        return StepResult(step=self.steps_done, mode=config.mode, metrics=tuple(metrics), old_log_probs=old_log_probs)
-
-    def _no_grad_passes(self, batch, plan, parts, config, group, progress):
-        """Old log-probs, reference log-probs (by position in ``parts``) and the batch's routed expert
-        counts, under no grad."""
+    def _no_grad_passes(self, step: "_Step", progress: "_Progress") -> "_NoGrad":
+        """Old log-probs, reference log-probs (by position in the step's parts) and the batch's routed
+        expert counts, under no grad."""
+        config, batch, plan = step.config, step.batch, step.plan
         old_by_part: dict[int, torch.Tensor] = {}
         ref_by_part: dict[int, torch.Tensor] = {}
         routed = None
         with torch.no_grad():
-            for position, part in enumerate(parts):
-                if config.recompute_old_log_probs or (config.aux_loss_coef and self._moe_layers()):
+            for position, part in enumerate(step.parts):
+                if config.recompute_old_log_probs or (config.aux_loss_coef and step.moe_layers):
                     out = self._run(self.model, batch, plan, part, config, grad=False)
                     if config.recompute_old_log_probs:
                         old_by_part[position] = out.log_probs
@@ -340,9 +339,62 @@ class Trainer:
                     ref_by_part[position] = self._run(self.reference_model, batch, plan, part, config,
                                                       grad=False).log_probs
                     progress("reference log-probs")
-        if routed is not None and self._moe_layers():
-            routed = group.all_reduce(routed.clone())
-        return old_by_part, ref_by_part, routed
+        if routed is not None and step.moe_layers:
+            routed = step.group.all_reduce(routed.clone())
+        return _NoGrad(old_by_part, ref_by_part, routed)
+
+    def _epoch(self, step: "_Step", no_grad: "_NoGrad", epoch: int, progress: "_Progress", *,
+               logprob_seconds: float) -> dict[str, Any]:
+        """One epoch: forward and backward of every part with gradient accumulation, then one optimizer step."""
+        config, batch, device = step.config, step.batch, self.device
+        sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=device)
+        maxes = torch.full((len(_MAXES),), float("-inf"), dtype=torch.float64, device=device)
+        loads = None
+        started = self._now()
+        for position, part in enumerate(step.parts):
+            with gradient_sync(self.model, enabled=position == len(step.parts) - 1):
+                out = self._run(self.model, batch, step.plan, part, config, grad=True)
+                terms = self._microbatch_loss(
+                    out, batch, config, advantages=step.advantages, denominator=step.denominator,
+                    old=no_grad.old_by_part.get(position, _select(step.old_field, out.trajectories)),
+                    ref=no_grad.ref_by_part.get(position, _select(step.ref_field, out.trajectories)),
+                    routed=no_grad.routed, semantic_tokens=step.semantic_tokens,
+                )
+                # DDP and FSDP2 average gradients over ranks; the shares already carry batch denominators.
+                (terms["loss"] * step.group.world_size).backward()
+            for index, name in enumerate(_SUMS):
+                if name in terms:
+                    sums[index] += terms[name].detach().to(torch.float64)
+            sums[_SUMS.index("rows")] += out.rows
+            maxes[0] = torch.maximum(maxes[0], terms["ratio_max"].to(torch.float64))
+            maxes[1] = torch.maximum(maxes[1], -terms["ratio_min"].to(torch.float64))
+            if step.moe_layers:
+                loads = out.moe.assign_count if loads is None else loads + out.moe.assign_count
+            progress(f"epoch {epoch + 1}")
+        fbgrad_seconds = self._now() - started
+
+        started = self._now()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        grad_norm = self._clip_and_step(config, sums[_SUMS.index("loss")], step.group, epoch)
+        if config.expert_bias_rate and step.moe_layers:
+            self._update_expert_bias(step.group.all_reduce(loads.clone()), config.expert_bias_rate)
+        optimizer_seconds = self._now() - started
+        self.optimizer_steps += 1
+        plan_seconds = 0.0
+        if config.mode == "harts" and epoch == 0:
+            plan_seconds = float(step.plan.stats.get("plan_seconds") or 0.0)
+        maxes[2:] = torch.tensor([plan_seconds, logprob_seconds, fbgrad_seconds, optimizer_seconds],
+                                 dtype=torch.float64, device=device)
+        return self._reduce(step, no_grad, epoch, sums, maxes, grad_norm=grad_norm, lr=lr)
+
+    def _reduce(self, step: "_Step", no_grad: "_NoGrad", epoch: int, sums: torch.Tensor, maxes: torch.Tensor, *,
+                grad_norm: float, lr: float) -> dict[str, Any]:
+        """The epoch's batch-level metrics: sums and maxima reduced over ranks, then recorded."""
+        step.group.all_reduce(sums)
+        step.group.all_reduce(maxes, "max")
+        has_kl = bool(no_grad.ref_by_part) or step.ref_field is not None
+        return self._record(epoch, step.config, sums, maxes, grad_norm, lr, step.semantic_tokens, step.moe_layers,
+                            has_kl=has_kl, routed=no_grad.routed)
 
     def _microbatch_loss(self, out, batch, config, *, advantages, denominator, old, ref, routed, semantic_tokens):
         """This microbatch's share of the batch loss, and the detached sums behind the metrics."""
@@ -382,12 +434,21 @@ class Trainer:
         parts["loss"] = loss
         return parts
 
-    def _clip_and_step(self, config: TrainConfig) -> float:
+    def _clip_and_step(self, config: TrainConfig, local_loss: torch.Tensor, group: ProcessGroupInfo, epoch: int) -> float:
         parameters = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = float("inf") if config.max_grad_norm is None else config.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm) if parameters else torch.zeros(())
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
             norm = norm.full_tensor()
+        # the batch loss over every rank, so that all ranks refuse the same step together
+        loss = float(group.all_reduce(local_loss.detach().clone().reshape(1))[0])
+        if not (math.isfinite(loss) and math.isfinite(float(norm))):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteStepError(
+                f"step {self.steps_done + 1}, epoch {epoch + 1}: the loss is {loss} and the gradient norm {float(norm)}; "
+                "the optimizer step was not taken (the weights are those before it). Check the learning rate, the "
+                "temperature and the batch's advantages, rewards and log-probs"
+            )
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -428,6 +489,7 @@ class Trainer:
             "plan_seconds": peak["plan_seconds"],
             "logprob_seconds": peak["logprob_seconds"],
             "fbgrad_seconds": peak["fbgrad_seconds"],
+            "rows_per_second": total["rows"] / peak["fbgrad_seconds"] if peak["fbgrad_seconds"] > 0 else None,
             "optimizer_seconds": peak["optimizer_seconds"],
         }
 

@@ -40,6 +40,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from harts.options import FAST_KERNEL_CHUNK_SIZES
+
 from ..fla_setup import configure_fla
 from .naive import check_export_chunks, check_linear_attention_inputs
 from .state import MAX_HEAD_DIM, scan_backward, scan_forward
@@ -48,7 +50,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["SUPPORTED_CHUNK_SIZES", "chunk_linear_attention", "configure_fla", "fla_available", "stock_chunk_kda"]
 
-SUPPORTED_CHUNK_SIZES = (32, 64)
+#: one list, the compiler's: a plan compiled with ``fast_kernels=True`` has one of these chunk sizes
+SUPPORTED_CHUNK_SIZES = FAST_KERNEL_CHUNK_SIZES
 _LAYOUT_CACHE_SIZE = 128
 _fla = None
 

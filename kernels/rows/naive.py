@@ -19,7 +19,7 @@ __all__ = ["gather_rows", "scatter_rows", "segment_sum_reference"]
 
 def gather_rows(x: torch.Tensor, rows: Sequence[np.ndarray]) -> tuple[torch.Tensor, ...]:
     """x [C, ...], rows: one int array per output -> (x[rows_0], x[rows_1], ...)."""
-    return tuple(x.index_select(0, torch.as_tensor(np.asarray(r, dtype=np.int64), device=x.device)) for r in rows)
+    return tuple(x.index_select(0, torch.tensor(np.asarray(r, dtype=np.int64), device=x.device)) for r in rows)
 
 
 def scatter_rows(
@@ -28,7 +28,7 @@ def scatter_rows(
     """y [num_rows, ...] with ``y[destinations[i]] = packed[i][positions[i]]``; the destinations tile the rows."""
     pieces, order = [], []
     for tensor, dst, pos in zip(packed, destinations, positions):
-        pieces.append(tensor.index_select(0, torch.as_tensor(np.asarray(pos, dtype=np.int64), device=tensor.device)))
+        pieces.append(tensor.index_select(0, torch.tensor(np.asarray(pos, dtype=np.int64), device=tensor.device)))
         order.append(np.asarray(dst, dtype=np.int64))
     stacked = torch.cat(pieces)
     where = np.concatenate(order) if order else np.zeros(0, dtype=np.int64)

@@ -58,7 +58,7 @@ class _Indices(nn.Module):
         self._sizes[name] = int(rows.size)
         self._spans[name] = contiguous_span(rows)
         if self._spans[name] is None and rows.size:
-            self.register_buffer(name, torch.as_tensor(rows))
+            self.register_buffer(name, torch.tensor(rows))
 
     def size(self, name: str) -> int:
         return self._sizes[name]
@@ -146,8 +146,8 @@ class RowGather(nn.Module):
         self.sums_rows = self.num_outputs == 1 and flat.size > first.size
         if self.sums_rows:
             offsets, positions = csr_by_row(flat, self.num_rows)
-            self.register_buffer("row_offsets", torch.as_tensor(offsets))
-            self.register_buffer("row_positions", torch.as_tensor(positions))
+            self.register_buffer("row_offsets", torch.tensor(offsets))
+            self.register_buffer("row_positions", torch.tensor(positions))
 
     def extra_repr(self) -> str:
         sizes = [self.index.size(f"rows{i}") for i in range(self.num_outputs)]

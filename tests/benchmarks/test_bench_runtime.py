@@ -21,7 +21,7 @@ def test_bench_runtime_smoke_on_cpu(tmp_path):
     completed = subprocess.run(
         [sys.executable, "-m", "harts_bench.runtime", "--device", "cpu", "--preset", "tiny",
          "--layers", "2", "--tokens", "800", "--scale", "0.004", "--warmup", "1", "--repeats", "1",
-         "--kernels", "naive", "--out", str(out)],
+         "--kernels", "naive", "--train-step", "--out", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
@@ -40,18 +40,28 @@ def test_bench_runtime_smoke_on_cpu(tmp_path):
     # without fla the stock baseline runs the same reference kernels as the own baseline
     assert results["fla"] is False
     assert results["baseline_fla"]["loss"] == pytest.approx(results["baseline"]["loss"], rel=1e-6)
+    # the training step `harts train` runs computes the same objective as the benchmark's pass, in both modes
+    train = results["train_step"]
+    for mode in ("harts", "baseline"):
+        assert train[mode]["loss"] == pytest.approx(results["harts"]["loss"], rel=1e-5)
+        assert train[mode]["rows_per_second"] > 0
+    train_line = [line for line in completed.stdout.splitlines() if line.startswith("headline-train:")]
+    assert len(train_line) == 1
+    train_fields = dict(item.split("=") for item in train_line[0].split()[1:])
+    assert float(train_fields["train_vs_bench_harts"]) == pytest.approx(
+        train["harts"]["mean_fbgrad_seconds"] / results["harts"]["mean_seconds"], rel=1e-3)
     calls = results["linear_attention_calls_per_microbatch"]
     assert calls["harts"] >= 1
     assert calls["node_at_a_time"] == sum(results["plan"]["trie_nodes_per_microbatch"]) / results["plan"]["microbatches"]
     assert calls["node_at_a_time"] >= calls["sequence_at_a_time"] >= calls["harts"]
     assert results["node_at_a_time_mean_abs_logprob_delta"] < 1e-5
-    # replay keeps the chunk phase: it diverges from the baseline far less than the no-replay view
+    # in float32 both views are the baseline's function up to round-off, each bounded on its own: which
+    # rounds closer depends on the CPU's vector width (no replay is exact in float64: tests/runtime/test_ablation.py)
     ablation = results["replay_ablation"]
     deep = [str(d) for d in range(1, 6) if ablation["no_replay"][str(d)]["tokens"]]
     assert deep
     assert all(ablation["replay"][d]["mean_abs_delta_nll"] < 1e-5 for d in deep)
-    assert all(ablation["no_replay"][d]["mean_abs_delta_nll"] > 5 * ablation["replay"][d]["mean_abs_delta_nll"]
-               for d in deep)
+    assert all(ablation["no_replay"][d]["mean_abs_delta_nll"] < 1e-4 for d in deep)
 
 
 @pytest.mark.gpu
@@ -68,7 +78,7 @@ def test_gpu_plan_on_fast_kernels_matches_the_baseline_on_the_references():
         pytest.skip("flash-linear-attention is not installed")
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = HybridModel(HybridConfig.preset("tiny", num_layers=4, chunk_size=64))
+        model = HybridModel(HybridConfig.preset("tiny", num_layers=4))
     batch = swe_like_step(seed=2, scale=0.01, vocab_size=model.config.vocab_size)
     plan = harts.compile(batch, capacity=65536, chunk_size=64)
     fast = log_probs(model, plan, batch, recompute=True, kernels=Dispatch("fast"))

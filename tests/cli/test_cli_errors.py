@@ -91,7 +91,7 @@ def test_dump_ir_onto_a_file_and_unwritable_outputs_are_refused(tmp_path):
     result = harts_cli("compile", "demo", "-o", "out.plan", "--chunk-size", "16", "--capacity", "4096", "--dump-ir", "notes.txt", cwd=tmp_path)
     assert_one_line_error(result, "--dump-ir notes.txt: it exists and is not a directory")
     result = harts_cli("compile", "demo", "-o", "notes.txt/out.plan", "--chunk-size", "16", "--capacity", "4096", cwd=tmp_path)
-    assert_one_line_error(result, "cannot save the plan to notes.txt/out.plan: notes.txt is not a directory")
+    assert_one_line_error(result, "--output notes.txt/out.plan: notes.txt is not a directory")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"] and (tmp_path / "notes.txt").read_text() == "keep me"
 
 

@@ -93,13 +93,13 @@ def test_convert_refuses_foreign_outputs_and_names_bad_input(tmp_path):
     mine = tmp_path / "notes.jsonl"
     mine.write_text('{"my": "data"}\n')
     result = convert("verl", source, mine)
-    assert result.exit_code == 2 and "not a HARTS node table" in result.output
+    assert result.exit_code == 2 and "is not a node table HARTS wrote" in " ".join(result.output.split())
     assert mine.read_text() == '{"my": "data"}\n'
     table = tmp_path / "t.jsonl"
     assert convert("verl", source, table).exit_code == 0
     assert convert("verl", source, table).exit_code == 0  # our own table is replaced
     result = convert("verl", source, source)
-    assert result.exit_code == 2 and "the output is the input" in result.output
+    assert result.exit_code == 2 and f"that is {source}, an input of this run" in " ".join(result.output.split())
     result = convert("trl", source, tmp_path / "x.jsonl")
     assert result.exit_code == 2 and "missing required key 'prompt_ids'" in result.output and "batch.pt" in result.output
     result = convert("megatron", source, tmp_path / "x.jsonl")

@@ -35,7 +35,7 @@ def compile_batch(batch):
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    return HybridModel(HybridConfig.preset("tiny", vocab_size=32, dtype="float64", chunk_size=4))
+    return HybridModel(HybridConfig.preset("tiny", vocab_size=32, dtype="float64"))
 
 
 def count_calls(monkeypatch) -> collections.Counter:

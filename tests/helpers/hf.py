@@ -153,11 +153,11 @@ def reference_log_probs(model, trajectories) -> list[torch.Tensor]:
     return out
 
 
-def harts_log_probs(model, trajectories, *, dp_size=1, capacity=None):
+def harts_log_probs(model, trajectories, *, chunk_size=16, dp_size=1, capacity=None):
     batch = harts.RolloutBatch.from_trajectories(trajectories)
     longest = max(len(t) for t in trajectories)
     capacity = max(longest, capacity or batch.semantic_tokens)
-    plan = harts.compile(batch, capacity=capacity, dp_size=min(dp_size, len(trajectories)), chunk_size=model.config.chunk_size)
+    plan = harts.compile(batch, capacity=capacity, dp_size=min(dp_size, len(trajectories)), chunk_size=chunk_size)
     return log_probs(model, plan, batch), plan
 
 

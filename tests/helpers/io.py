@@ -46,7 +46,8 @@ def small_batch() -> RolloutBatch:
             np.float32([0, 1]),  # differs from its siblings at position 1
             np.float32([0, 1, 1]),
         ],
-        rollout_logprobs=[
+        # a per-token field that may hold NaN (log-probs may not): the writer must keep NaN and -0.0 apart
+        values=[
             np.float32([0, -0.5, -1.25, np.nan]),
             np.float32([0, -0.0]),
             np.float32([0, -0.5, -1.25, -3, -4]),

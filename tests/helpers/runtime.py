@@ -7,6 +7,8 @@ import functools
 import numpy as np
 import torch
 
+from harts.codegen.layout import lay_out
+from harts.ir.verify import verify
 from harts.plan import Plan, compute_stats
 from harts.runtime import HybridConfig, HybridModel
 from harts.runtime.moe import TopKRouter
@@ -16,8 +18,11 @@ import harts
 
 
 def make_plan(batch, chunk_size, groups=None) -> Plan:
-    module = rounded_module(batch, chunk_size, groups)
-    return Plan(module=module, pipeline="prefix-compress,segment,min-call-rounds", stats=compute_stats(module))
+    """A laid-out plan whose microbatches are ``groups`` (see :func:`rounded_module`), as ``codegen`` lays it out."""
+    stage = lay_out(rounded_module(batch, chunk_size, groups))
+    verify(stage)
+    return Plan(module=stage.module, pipeline="prefix-compress,segment,min-call-rounds,codegen",
+                stats=compute_stats(stage.module, laid_out=True), layouts=stage.layouts)
 
 
 @functools.lru_cache(maxsize=None)
@@ -25,7 +30,7 @@ def tiny_model(linear="kda", attention="mla", ffn="moe", dtype="float64", seed=0
     torch.manual_seed(seed)
     config = HybridConfig.preset(
         "tiny", linear=linear, attention=attention, ffn=ffn, dtype=dtype, vocab_size=vocab_size,
-        layer_types=["linear", "full", "linear"], chunk_size=4, hidden_size=32, intermediate_size=48,
+        layer_types=["linear", "full", "linear"], hidden_size=32, intermediate_size=48,
         linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
         num_attention_heads=2, head_dim=8, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
         moe_intermediate_size=16, shared_expert_intermediate_size=16,

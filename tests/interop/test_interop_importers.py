@@ -215,3 +215,20 @@ def test_importers_name_the_row_and_key():
     with pytest.raises(RolloutInputError, match="'cu_seqlens'"):
         from_areal(dict(a, cu_seqlens=a["cu_seqlens"][:-1]), rolled=False)
     assert GARBAGE not in np.concatenate(from_verl(d).token_fields["old_log_probs"])  # padding never leaks in
+
+
+def test_sequence_level_fields_are_per_trajectory_and_nan_log_probs_are_refused():
+    """vLLM's sequence-level ``importance_sampling_ratio`` [B, 1] is one value per trajectory; a NaN in a
+    log-prob field (TRL's sampling log-probs) is refused naming the row and field."""
+    episodes = fixed_episodes()
+    values = random_values(episodes)
+    t = trl_batch(episodes, values)
+    ratio = np.linspace(0.5, 1.5, len(episodes))[:, None]
+    batch = from_trl(dict(t, importance_sampling_ratio=ratio))
+    np.testing.assert_array_equal(batch.trajectory_fields["importance_sampling_ratio"], ratio[:, 0])
+    sampling = t["old_per_token_logps"].copy()
+    sampling[1, 0] = np.nan
+    with pytest.raises(RolloutInputError, match="trajectory 1: field 'rollout_logprobs' entry .* is nan"):
+        from_trl(dict(t, sampling_per_token_logps=sampling))
+    with pytest.raises(RolloutInputError, match="trajectory 2: field 'importance_sampling_ratio' is inf"):
+        from_trl(dict(t, importance_sampling_ratio=np.where(np.arange(len(episodes)) == 2, np.inf, 1.0)[:, None]))

@@ -307,6 +307,7 @@ def test_a_written_table_edited_afterwards_is_refused_until_its_hash_is_dropped(
 def test_corrupted_node_tables_give_a_clean_error_or_identical_data(tmp_path, suffix, how, position, value, fraction):
     batch = small_batch()
     path = tmp_path / f"table{suffix}"
+    path.unlink(missing_ok=True)  # an earlier example's corrupted table is not ours to overwrite any more
     write_node_table(batch, path)
     data = path.read_bytes()
     if fraction:  # also aim at the Parquet footer, where the schema and the hash live

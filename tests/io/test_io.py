@@ -428,7 +428,8 @@ def random_batch(seed: int, trees: int, trajectories_per_tree: int, vocab: int) 
         tokens=tuple(np.asarray(tokens[i], dtype=np.int64) for i in order),
         token_fields={
             "loss_mask": tuple(masks[i] for i in order),
-            "rollout_logprobs": tuple(logprobs[i] for i in order),
+            # per-token values that may hold NaN (log-probs may not): the writer must keep NaN and -0.0 apart
+            "values": tuple(logprobs[i] for i in order),
         },
         trajectory_fields={
             "group_id": np.asarray(tree_ids, dtype=np.int64)[order],
@@ -469,7 +470,7 @@ def test_written_tables_are_radix_trees(seed, trees, per_tree):
     ending: set[tuple] = {(r["tree_id"], r["leaf"]) for r in records if r["kind"] == "trajectory"}
     for r in nodes:
         assert r["token_ids"], r
-        key = (r["token_ids"][0], r["loss_mask"][0], json.dumps(r["logprobs"][0]))
+        key = (r["token_ids"][0], r["loss_mask"][0], json.dumps(r["values"][0]))
         siblings = first_keys.setdefault((r["tree_id"], r["parent_id"]), set())
         assert key not in siblings
         siblings.add(key)

@@ -57,7 +57,8 @@ def test_the_cli_refuses_to_write_over_the_directory_holding_its_input(tmp_path)
     before = snapshot(tmp_path)
     result = runner.invoke(app, ["compile", str(table), "-o", str(folder), "--capacity", "64", "--chunk-size", "8"])
     assert result.exit_code != 0
-    assert "not a HARTS plan" in result.output and "rollouts.jsonl" in result.output
+    output = " ".join(result.output.split())
+    assert f"--output {folder}: it holds {table}, an input of this run" in output
     assert snapshot(tmp_path) == before
     assert harts.RolloutBatch.read(table).tokens[0].tolist() == TRAJECTORIES[0]
 
@@ -75,7 +76,7 @@ def test_stray_files_inside_a_plan_directory_block_the_overwrite(tmp_path):
 def test_a_regular_file_that_is_not_a_plan_is_refused(tmp_path, name):
     target = tmp_path / name
     target.write_bytes(b"user bytes, not a plan")
-    with pytest.raises(PlanArtifactError, match="not a HARTS plan"):
+    with pytest.raises(PlanArtifactError, match="not a HARTS plan|it exists and is not a directory"):
         compile_plan().save(target)
     assert target.read_bytes() == b"user bytes, not a plan"
 
@@ -215,3 +216,40 @@ def test_killing_the_cli_at_delays_spread_over_an_overwrite_always_leaves_a_whol
         assert _work_at(target) in either
     subprocess.run([sys.executable, *_cli_compile(target, 4096)], check=True, capture_output=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo.plan"]
+
+
+def test_two_first_saves_of_one_new_plan_directory_at_once_both_succeed(tmp_path, monkeypatch):
+    """Issue 24: concurrent first saves sometimes failed with "Directory not empty": both saw no target, and the
+    second rename landed on the directory the first had just created. Here the other save runs exactly in that gap."""
+    target = tmp_path / "plan"
+    real_rename = os.rename
+    raced = []
+
+    def rename_after_another_save(source, destination):
+        if Path(destination) == target and not raced:
+            raced.append(True)
+            compile_plan(pipeline="prefix-compress").save(target)  # the other writer wins the race
+            assert target.is_dir()
+        return real_rename(source, destination)
+
+    monkeypatch.setattr(os, "rename", rename_after_another_save)
+    compile_plan().save(target)
+    assert raced
+    assert harts.load_plan(target).has_rounds  # the later save replaced the earlier, as for any existing plan
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan"]
+
+
+def test_a_user_directory_that_appears_during_a_first_save_is_left_untouched(tmp_path, monkeypatch):
+    target = tmp_path / "plan"
+    real_rename = os.rename
+
+    def rename_after_the_user_creates_it(source, destination):
+        if Path(destination) == target and not target.exists():
+            target.mkdir()
+            (target / "notes.txt").write_text("mine")
+        return real_rename(source, destination)
+
+    monkeypatch.setattr(os, "rename", rename_after_the_user_creates_it)
+    with pytest.raises(PlanArtifactError, match="notes.txt"):
+        compile_plan().save(target)
+    assert snapshot(tmp_path) == {"plan": None, "plan/notes.txt": b"mine"}

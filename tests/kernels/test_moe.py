@@ -46,7 +46,7 @@ def test_the_model_experts_run_the_dispatched_kernel(monkeypatch):
     model = HybridModel(HybridConfig.preset("tiny", num_layers=2, layer_types=["linear", "full"], ffn="moe",
                                             first_k_dense_replace=0))
     ids = torch.randint(0, model.config.vocab_size, (23,))
-    view = BaselineView([10, 13], model.config.chunk_size)
+    view = BaselineView([10, 13], 16)
     calls = []
 
     def grouped_everywhere(x, indices, weights, gate_up_proj, down_proj):

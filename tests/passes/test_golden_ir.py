@@ -36,7 +36,7 @@ class GoldenCase:
     output: str
 
     def resolve(self, text: str) -> str:
-        return text.replace("$batch", self.batch.content_hash())
+        return text.replace("$batch", self.batch.input_hash())
 
 
 def load_case(path: Path) -> GoldenCase:

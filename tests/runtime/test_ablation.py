@@ -50,7 +50,7 @@ def test_no_replay_is_exact_in_float64_and_changes_only_rounding_in_float32(line
     depths = {i: handoff_depths(cuts[i], lengths[i]) for i in range(len(batch))}
     for dtype, exact in ((torch.float64, True), (torch.float32, False)):
         torch.manual_seed(0)
-        model = HybridModel(HybridConfig.preset("tiny", vocab_size=50, chunk_size=CHUNK, linear=linear, dtype=str(dtype).split(".")[1]))
+        model = HybridModel(HybridConfig.preset("tiny", vocab_size=50, linear=linear, dtype=str(dtype).split(".")[1]))
         reference = hidden(model, batch, BaselineView(lengths, CHUNK))
         no_replay = hidden(model, batch, NoReplayView(lengths, cuts, CHUNK))
         by_depth = divergence_by_depth(model, reference, no_replay, batch.tokens, depths, max_depth=3)
@@ -64,13 +64,21 @@ def test_no_replay_is_exact_in_float64_and_changes_only_rounding_in_float32(line
             assert max(deeper) > 0, "a shifted chunk grid takes another floating-point path"
 
 
-def test_replay_matches_the_baseline_where_no_replay_does_not():
+#: float32 round-off of a log-prob on this tiny model, whatever the CPU's vector width: the two paths
+#: differ from the baseline by 5e-7 to 1.5e-6 on the machines seen (AVX2, AVX-512), an order below this.
+FLOAT32_LOG_PROB_TOLERANCE = 2e-5
+
+
+def test_replay_and_no_replay_match_the_baseline_within_float32_rounding():
+    """Replay and the no-replay view both compute the baseline's function: in float32 each stays within
+    round-off of it. Which of the two rounds closer at one token depends on the CPU's vector width, so
+    they are not ranked; that no replay is exact in float64 is checked above."""
     batch = forked_batch()
     plan = harts.compile(batch, capacity=4096, chunk_size=CHUNK)
     trie = plan.module.trie
     lengths = [len(t) for t in batch.tokens]
     torch.manual_seed(1)
-    model = HybridModel(HybridConfig.preset("tiny", vocab_size=50, chunk_size=CHUNK, dtype="float32"))
+    model = HybridModel(HybridConfig.preset("tiny", vocab_size=50, dtype="float32"))
     baseline = log_probs_baseline(model, batch, microbatches=plan).packed
     replay = harts.runtime.log_probs(model, plan, batch).packed
     ids = torch.as_tensor(np.concatenate(batch.tokens), dtype=torch.long)
@@ -80,7 +88,5 @@ def test_replay_matches_the_baseline_where_no_replay_does_not():
     logits = model.logits(states[torch.as_tensor(rows)]).double()
     targets = torch.as_tensor(np.concatenate([t[1:] for t in batch.tokens]))
     no_replay = (torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]).float()
-    replay_error = float((replay - baseline).detach().abs().max())
-    no_replay_error = float((no_replay - baseline).detach().abs().max())
-    assert replay_error <= no_replay_error
-    assert no_replay_error > 0
+    assert float((replay - baseline).detach().abs().max()) < FLOAT32_LOG_PROB_TOLERANCE
+    assert float((no_replay - baseline).detach().abs().max()) < FLOAT32_LOG_PROB_TOLERANCE

@@ -35,7 +35,7 @@ def qwen3_next_like() -> HybridModel:
     torch.manual_seed(1)
     config = HybridConfig.preset(
         "tiny", linear="gdn", attention="gqa", dtype="float64", vocab_size=VOCAB, layer_types=["linear", "full", "linear"],
-        chunk_size=4, hidden_size=32, intermediate_size=48, linear_num_key_heads=2, linear_num_value_heads=4,
+        hidden_size=32, intermediate_size=48, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=8, linear_value_head_dim=8, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
         moe_intermediate_size=16, moe_router="softmax", moe_expert_bias=False, routed_scaling_factor=1.0,
         shared_expert_intermediate_size=16, shared_expert_gate=True, norm_zero_centered=True,
@@ -85,7 +85,7 @@ def test_next_token_distributions_equal_the_full_forward(trajectories, pieces, m
             state = decoder.extend([state], [tokens[state.length : end]])[0]
             states[state.tokens] = state
         with torch.no_grad():
-            view = BaselineView([len(tokens)], model.config.chunk_size)
+            view = BaselineView([len(tokens)], 4)
             logits, _ = model(torch.tensor(tokens), view)
             full = torch.log_softmax(logits, dim=-1)
         for prefix, decoded in states.items():

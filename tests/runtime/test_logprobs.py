@@ -85,6 +85,45 @@ def test_values_and_gradients_equal_dense_log_softmax(rows, positions, vocab, ro
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 9), positions=st.integers(1, 30), vocab=st.integers(2, 13), row_chunk=st.integers(1, 10),
+       seed=st.integers(0, 2**16))
+def test_an_entropy_that_is_only_measured_costs_its_backward_nothing(rows, positions, vocab, row_chunk, seed):
+    """Entropy read for a metric, loss on the log-probs alone: the same gradients as without the entropy,
+    from a backward that forms no more [rows, V] buffers than the one without it."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, 5, dtype=torch.float64, generator=generator, requires_grad=True)
+    weight = torch.randn(vocab, 5, dtype=torch.float64, generator=generator, requires_grad=True)
+    index = torch.randint(0, rows, (positions,), generator=generator)
+    targets = torch.randint(0, vocab, (positions,), generator=generator)
+    upstream = torch.randn(positions, dtype=torch.float64, generator=generator)
+    grads, buffers = {}, {}
+    for with_entropy in (False, True):
+        values, entropy = compact_log_probs(hidden, weight, None, index, targets, with_entropy=with_entropy,
+                                            row_chunk=row_chunk)
+        assert (entropy is not None) == with_entropy
+        with VocabularyBuffers(vocab) as recorder:
+            grads[with_entropy] = torch.autograd.grad((values * upstream).sum(), (hidden, weight))
+        buffers[with_entropy] = recorder.total_elements
+    for measured, plain in zip(grads[True], grads[False]):
+        torch.testing.assert_close(measured, plain, rtol=0, atol=0)
+    assert buffers[True] == buffers[False]
+
+
+def test_a_loss_on_the_entropy_alone_has_the_entropy_gradient():
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(4, 3, dtype=torch.float64, generator=generator, requires_grad=True)
+    weight = torch.randn(6, 3, dtype=torch.float64, generator=generator, requires_grad=True)
+    rows = torch.tensor([0, 1, 1, 3, 2])
+    targets = torch.tensor([1, 4, 0, 5, 2])
+    _, entropy = compact_log_probs(hidden, weight, None, rows, targets, with_entropy=True, row_chunk=2)
+    _, want = reference(hidden, weight, None, rows, targets)
+    got = torch.autograd.grad(entropy.sum(), (hidden, weight))
+    expected = torch.autograd.grad(want.sum(), (hidden, weight))
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 def test_gradcheck_shared_rows_with_different_targets():
     generator = torch.Generator().manual_seed(3)
     hidden = torch.randn(4, 3, dtype=torch.float64, generator=generator, requires_grad=True)

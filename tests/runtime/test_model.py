@@ -23,6 +23,8 @@ from harts.runtime.moe import (
 from harts.runtime.view import BaselineView, ExecutionView
 
 F64 = torch.float64
+#: The linear-attention chunk of the baseline views here (the chunk size is the plan's, not the model's).
+CHUNK = 16
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -79,11 +81,11 @@ def test_baseline_over_several_sequences_equals_each_sequence_alone(combination,
     model = _model(*combination)
     ids = _tokens(lengths, model.config.vocab_size, seed)
     with torch.no_grad():
-        hidden, stats = model.forward_hidden(ids, BaselineView(lengths, model.config.chunk_size))
+        hidden, stats = model.forward_hidden(ids, BaselineView(lengths, CHUNK))
         start, merged = 0, None
         for length in lengths:
             alone, alone_stats = model.forward_hidden(
-                ids[start : start + length], BaselineView([length], model.config.chunk_size)
+                ids[start : start + length], BaselineView([length], CHUNK)
             )
             torch.testing.assert_close(hidden[start : start + length], alone, rtol=1e-10, atol=1e-11)
             merged = alone_stats if merged is None else MoEStats.merge(merged, alone_stats)
@@ -101,7 +103,7 @@ def test_recompute_gives_same_outputs_and_parameter_gradients(combination):
 
     def run(recompute):
         model.zero_grad(set_to_none=True)
-        hidden, stats = model.forward_hidden(ids, BaselineView(lengths, model.config.chunk_size), recompute=recompute)
+        hidden, stats = model.forward_hidden(ids, BaselineView(lengths, CHUNK), recompute=recompute)
         logits = model.logits(hidden)
         loss = (hidden * target).sum() + logits.logsumexp(-1).mean() + z_loss(stats) + load_balancing_loss(stats)
         loss.backward()
@@ -135,7 +137,7 @@ def test_every_variant_builds_runs_and_trains(linear, attention, ffn):
     lengths = [19, 4, 16]
     ids = _tokens(lengths, config.vocab_size, seed=2)
     model.zero_grad(set_to_none=True)
-    hidden, stats = model.forward_hidden(ids, BaselineView(lengths, config.chunk_size))
+    hidden, stats = model.forward_hidden(ids, BaselineView(lengths, CHUNK))
     logits = model.logits(hidden)
     assert hidden.shape == (sum(lengths), config.hidden_size) and hidden.dtype == torch.float32
     assert logits.shape == (sum(lengths), config.vocab_size)
@@ -152,17 +154,17 @@ def test_every_variant_builds_runs_and_trains(linear, attention, ffn):
 @pytest.mark.parametrize("linear,attention", [("kda", "mla"), ("gdn", "gqa")])
 def test_empty_batches_empty_sequences_and_bfloat16(linear, attention):
     model = _model(linear, attention, "moe", n_group=2, topk_group=1)
-    hidden, stats = model.forward_hidden(torch.zeros(0, dtype=torch.long), BaselineView([], model.config.chunk_size))
+    hidden, stats = model.forward_hidden(torch.zeros(0, dtype=torch.long), BaselineView([], CHUNK))
     assert hidden.shape == (0, model.config.hidden_size) and stats.tokens.tolist() == [0.0] * 3
     lengths = [0, 5, 0, 3]
     ids = _tokens(lengths, model.config.vocab_size, seed=1)
     with torch.no_grad():
-        hidden, _ = model.forward_hidden(ids, BaselineView(lengths, model.config.chunk_size))
-        alone, _ = model.forward_hidden(ids[:5], BaselineView([5], model.config.chunk_size))
+        hidden, _ = model.forward_hidden(ids, BaselineView(lengths, CHUNK))
+        alone, _ = model.forward_hidden(ids[:5], BaselineView([5], CHUNK))
     torch.testing.assert_close(hidden[:5], alone, rtol=1e-10, atol=1e-11)
 
     half = _model(linear, attention, "moe", dtype="bfloat16")
-    hidden, stats = half.forward_hidden(ids, BaselineView(lengths, half.config.chunk_size))
+    hidden, stats = half.forward_hidden(ids, BaselineView(lengths, CHUNK))
     assert hidden.dtype == torch.bfloat16 and stats.z_loss_sum.dtype == torch.float32
     half.logits(hidden).float().logsumexp(-1).sum().backward()
     router = next(layer.mlp.gate for layer in half.layers if layer.mlp_type == "moe")
@@ -180,7 +182,7 @@ def test_gqa_and_mha_head_counts_follow_the_attention_kind():
 
 
 def test_preset_overrides_and_errors():
-    config = HybridConfig.preset("tiny", num_layers=6, chunk_size=8, vocab_size=100)
+    config = HybridConfig.preset("tiny", num_layers=6, vocab_size=100)
     assert config.layer_types == ("linear", "full") * 3
     assert config.mlp_layer_types == ("dense",) + ("moe",) * 5
     explicit = HybridConfig.preset("tiny", layer_types=["linear", "linear", "full"])
@@ -194,6 +196,10 @@ def test_preset_overrides_and_errors():
         HybridConfig.preset("huge")
     with pytest.raises(HybridConfigError, match="unknown config field.*hidden"):
         HybridConfig.preset("tiny", hidden=3)
+    with pytest.raises(HybridConfigError, match="chunk_size is not a model setting: .* harts.compile"):
+        HybridConfig.preset("tiny", chunk_size=8)
+    stored = {**HybridConfig.preset("tiny").to_dict(), "chunk_size": 16}  # as older versions wrote it
+    assert HybridConfig.from_dict(stored) == HybridConfig.preset("tiny")
     with pytest.raises(HybridConfigError, match="linear must be one of"):
         HybridConfig.preset("tiny", linear="mamba")
     with pytest.raises(HybridConfigError, match="layer_types\\[1\\]"):
@@ -253,7 +259,7 @@ def test_ling_3_0_tiny_preset_has_the_table_1_shape():
     assert config.mlp_layer_types == ("dense",) + ("moe",) * 23  # dense layer 1, MoE layers 2-24
     assert config.intermediate_size == 4608
     assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (128, 8, 512)
-    assert config.linear_conv_kernel_dim == 4 and config.chunk_size == 64
+    assert config.linear_conv_kernel_dim == 4
     assert config.vocab_size == 157184 and config.torch_dtype == torch.bfloat16
 
     with torch.device("meta"):  # shapes only: nothing is allocated or run
@@ -361,7 +367,7 @@ def test_router_losses_match_hf_load_balancing_and_z_loss_definitions():
         if layer.mlp_type == "moe"
     ]
     with torch.no_grad():
-        _, stats = model.forward_hidden(ids, BaselineView(lengths, model.config.chunk_size))
+        _, stats = model.forward_hidden(ids, BaselineView(lengths, CHUNK))
     for hook in hooks:
         hook.remove()
     config = model.config
@@ -380,9 +386,9 @@ def test_stats_merge_over_microbatches_equals_the_whole_batch():
     lengths = [12, 7, 20, 3]
     ids = _tokens(lengths, model.config.vocab_size, seed=4)
     with torch.no_grad():
-        _, whole = model.forward_hidden(ids, BaselineView(lengths, model.config.chunk_size))
-        _, first = model.forward_hidden(ids[:19], BaselineView(lengths[:2], model.config.chunk_size))
-        _, second = model.forward_hidden(ids[19:], BaselineView(lengths[2:], model.config.chunk_size))
+        _, whole = model.forward_hidden(ids, BaselineView(lengths, CHUNK))
+        _, first = model.forward_hidden(ids[:19], BaselineView(lengths[:2], CHUNK))
+        _, second = model.forward_hidden(ids[19:], BaselineView(lengths[2:], CHUNK))
     merged = MoEStats.merge(first, second)
     _assert_stats_close(merged, whole, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(z_loss(merged), z_loss(whole), rtol=1e-10, atol=0)
@@ -390,7 +396,7 @@ def test_stats_merge_over_microbatches_equals_the_whole_batch():
     assert merged.routed_rows == sum(lengths)
     empty = _model("kda", "mla", "dense")
     with torch.no_grad():
-        _, none = empty.forward_hidden(ids, BaselineView(lengths, empty.config.chunk_size))
+        _, none = empty.forward_hidden(ids, BaselineView(lengths, CHUNK))
     assert none.num_layers == 0 and float(z_loss(none)) == 0.0 and float(load_balancing_loss(none)) == 0.0
     with pytest.raises(ValueError, match="same model"):
         MoEStats.merge(whole, none)
@@ -438,13 +444,13 @@ def test_weighted_compact_batch_gives_the_stats_and_bias_update_of_its_expansion
     pieces = torch.split(ids, lengths)
     expanded_ids = torch.cat([piece for piece, count in zip(pieces, repeats) for _ in range(count)])
     expanded_lengths = [length for length, count in zip(lengths, repeats) for _ in range(count)]
-    compact_view = BaselineView(lengths, config.chunk_size)
+    compact_view = BaselineView(lengths, CHUNK)
     compact_view.row_weight = torch.repeat_interleave(
         torch.tensor(repeats, dtype=torch.float32), torch.tensor(lengths)
     )
     with torch.no_grad():
         _, compact = compact_model.forward_hidden(ids, compact_view)
-        _, expanded = expanded_model.forward_hidden(expanded_ids, BaselineView(expanded_lengths, config.chunk_size))
+        _, expanded = expanded_model.forward_hidden(expanded_ids, BaselineView(expanded_lengths, CHUNK))
     for field in ("z_loss_sum", "prob_mass", "assign_count", "tokens"):
         torch.testing.assert_close(getattr(compact, field), getattr(expanded, field), rtol=1e-10, atol=1e-10)
     assert compact.routed_rows == sum(lengths) and expanded.routed_rows == sum(expanded_lengths)
@@ -478,7 +484,7 @@ def test_rope_uses_view_positions():
     lengths = [9, 9]
     ids = _tokens([9], model.config.vocab_size, seed=3).repeat(2)
     with torch.no_grad():
-        hidden, _ = model.forward_hidden(ids, BaselineView(lengths, model.config.chunk_size))
+        hidden, _ = model.forward_hidden(ids, BaselineView(lengths, CHUNK))
     # the same tokens at the same trajectory positions give the same rows in both sequences
     torch.testing.assert_close(hidden[:9], hidden[9:], rtol=1e-12, atol=1e-12)
 
@@ -528,7 +534,7 @@ def test_matches_hf_qwen3_next():
         qk_norm=True, partial_rotary_factor=hf_config.rope_parameters["partial_rotary_factor"],
         rope_theta=hf_config.rope_parameters["rope_theta"], norm_zero_centered=True,
         rms_norm_eps=hf_config.rms_norm_eps,
-        chunk_size=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48, moe_intermediate_size=16,
         num_experts=4, num_experts_per_tok=2, moe_router="softmax", norm_topk_prob=True,
         shared_expert_intermediate_size=24, shared_expert_gate=True, dtype="float64",
@@ -538,7 +544,7 @@ def test_matches_hf_qwen3_next():
     ids = torch.randint(0, 64, (1, 19), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = hf_model(ids).logits[0]
-        logits, _ = model(ids[0], BaselineView([19], config.chunk_size))
+        logits, _ = model(ids[0], BaselineView([19], 4))
     # HF runs its gated-delta core in float32; everything else is float64 on both sides
     torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
 
@@ -563,7 +569,7 @@ def test_matches_hf_kimi_linear():
     config = HybridConfig(
         vocab_size=64, hidden_size=32, num_layers=3, layer_types=hf_config.layer_types,
         mlp_layer_types=hf_config.mlp_layer_types, linear="kda", attention="mla", use_rope=False,
-        mla_latent_norm_eps=1e-6, rms_norm_eps=hf_config.rms_norm_eps, chunk_size=4, linear_num_key_heads=4,
+        mla_latent_norm_eps=1e-6, rms_norm_eps=hf_config.rms_norm_eps, linear_num_key_heads=4,
         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, num_attention_heads=4,
         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, intermediate_size=48,
         moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, moe_router="sigmoid", moe_expert_bias=True,
@@ -575,7 +581,7 @@ def test_matches_hf_kimi_linear():
     ids = torch.randint(0, 64, (1, 19), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = hf_model(ids).logits[0]
-        logits, _ = model(ids[0], BaselineView([19], config.chunk_size))
+        logits, _ = model(ids[0], BaselineView([19], 4))
     torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
 
 
@@ -610,7 +616,7 @@ def test_mla_with_rope_and_low_rank_q_matches_hf_deepseek_v3(interleave):
     ids = torch.randint(0, 64, (1, 23), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = hf_model(ids).logits[0]
-        logits, _ = model(ids[0], BaselineView([23], config.chunk_size))
+        logits, _ = model(ids[0], BaselineView([23], 64))
     # HF computes router logits in float32; the rest is float64 on both sides
     torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
 
@@ -618,9 +624,9 @@ def test_mla_with_rope_and_low_rank_q_matches_hf_deepseek_v3(interleave):
 def test_forward_hidden_rejects_mismatched_rows_and_ids():
     model = _model()
     with pytest.raises(ValueError, match="view has 5"):
-        model.forward_hidden(torch.zeros(4, dtype=torch.long), BaselineView([5], model.config.chunk_size))
+        model.forward_hidden(torch.zeros(4, dtype=torch.long), BaselineView([5], CHUNK))
     with pytest.raises(ValueError, match="input_ids must lie in"):
-        model.forward_hidden(torch.full((5,), 256), BaselineView([5], model.config.chunk_size))
+        model.forward_hidden(torch.full((5,), 256), BaselineView([5], CHUNK))
 
 
 def test_tied_embeddings_share_the_weight():

@@ -30,12 +30,14 @@ from tests.helpers import chunk_aligned_token_trees, forked_trajectories, token_
 CHUNK = 8
 VOCAB = 512
 EXACT = 1e-10
+#: float32 round-off of one log-prob of the tiny model (seen: 5e-7 to 1.5e-6, AVX2 and AVX-512)
+FLOAT32_ROUNDING = 2e-5
 
 
 @functools.cache
 def tiny_model(linear: str = "kda", dtype: str = "float64") -> HybridModel:
     torch.manual_seed(0)
-    return HybridModel(HybridConfig.preset("tiny", vocab_size=VOCAB, chunk_size=CHUNK, linear=linear, dtype=dtype))
+    return HybridModel(HybridConfig.preset("tiny", vocab_size=VOCAB, linear=linear, dtype=dtype))
 
 
 def compile_plan(trajectories, fraction: float = 1.0):
@@ -147,9 +149,9 @@ def test_float32_differs_from_the_baseline_only_by_rounding():
         node = harts.runtime.log_probs(model, plan, batch, view_type=NodeAtATimeView).packed
         replay = harts.runtime.log_probs(model, plan, batch).packed
         baseline = log_probs_baseline(model, batch, microbatches=plan).packed
-    node_error = float((node - baseline).abs().max())
-    assert float((replay - baseline).abs().max()) <= node_error
-    assert 0 < node_error < 1e-4
+    # each bounded on its own: which path rounds closer to the baseline depends on the CPU's vector width
+    assert float((node - baseline).abs().max()) < FLOAT32_ROUNDING
+    assert float((replay - baseline).abs().max()) < FLOAT32_ROUNDING
 
 
 # ----------------------------------------------------------------------------- (c) one call per trie node
@@ -215,7 +217,7 @@ def test_gpu_fast_kernels_match_the_reference_node_at_a_time():
     plan = harts.compile(batch, capacity=65536, chunk_size=chunk)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = HybridModel(HybridConfig.preset("tiny", vocab_size=VOCAB, chunk_size=chunk, dtype="float32"))
+        model = HybridModel(HybridConfig.preset("tiny", vocab_size=VOCAB, dtype="float32"))
     results = {}
     for mode in ("naive", "fast"):
         log_probs = harts.runtime.log_probs(model, plan, batch, recompute=True, kernels=Dispatch(mode),

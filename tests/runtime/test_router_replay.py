@@ -33,7 +33,7 @@ def softmax_model() -> HybridModel:
     """Qwen3-Next-style routing: softmax router, normalised top-k, no expert bias."""
     torch.manual_seed(1)
     return HybridModel(HybridConfig.preset(
-        "tiny", dtype="float64", vocab_size=64, layer_types=["linear", "full", "linear"], chunk_size=CHUNK, hidden_size=32,
+        "tiny", dtype="float64", vocab_size=64, layer_types=["linear", "full", "linear"], hidden_size=32,
         intermediate_size=48, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
         num_attention_heads=2, head_dim=8, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
         moe_intermediate_size=16, shared_expert_intermediate_size=16, moe_router="softmax", moe_expert_bias=False,

@@ -16,7 +16,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import harts
-from harts.errors import PlanArtifactError, PlanningError, RolloutInputError
+from harts.errors import PlanArtifactError, PlanBatchMismatchError, PlanningError, RolloutInputError
 from harts.runtime import HybridConfig, HybridModel, expert_load, load_balancing_loss, log_probs, log_probs_baseline, z_loss
 from harts.runtime.moe import TopKRouter
 from tests.helpers import token_trees
@@ -178,7 +178,7 @@ def test_plan_for_another_batch_is_rejected():
     batch = figure_batch()
     plan = make_plan(batch, 4)
     other = harts.RolloutBatch.from_trajectories([list(t) + [1] for t in batch.tokens])
-    with pytest.raises(PlanArtifactError, match="compiled for batch"):
+    with pytest.raises(PlanBatchMismatchError, match="compiled for batch"):
         log_probs(tiny_model(), plan, other)
 
 
@@ -204,7 +204,7 @@ def test_saved_and_loaded_plan_runs_identically(tmp_path):
 def test_tokens_outside_the_vocabulary_name_the_trajectory():
     batch = harts.RolloutBatch.from_trajectories([[1, 2, 3], [1, 2, 70, 4]])
     plan = harts.compile(batch, capacity=64, chunk_size=4)
-    model = HybridModel(HybridConfig.preset("tiny", vocab_size=64, chunk_size=4))
+    model = HybridModel(HybridConfig.preset("tiny", vocab_size=64))
     with pytest.raises(RolloutInputError, match=r"trajectory 1: field 'tokens' entry 2 is 70, outside the model's vocabulary \(vocab_size 64\)"):
         log_probs(model, plan, batch)
     with pytest.raises(RolloutInputError, match="trajectory 1: field 'tokens' entry 2 is 70"):

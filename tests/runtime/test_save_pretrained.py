@@ -31,7 +31,7 @@ def trained_model(architecture: str, dtype: torch.dtype, **overrides):
     hf_config = (qwen3_next_config if architecture == "qwen3_next" else kimi_linear_config)(**overrides)
     hf_config.dtype = dtype
     torch.manual_seed(2)
-    model = from_hf(hf_config, chunk_size=4)
+    model = from_hf(hf_config)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))  # a HARTS-side update
@@ -67,11 +67,11 @@ def test_round_trip_through_from_pretrained_gives_equal_log_probs(tmp_path, arch
     # transformers' forward on the loaded checkpoint, trajectory by trajectory
     reference = _finish(loaded, torch.float64, seed=0, slow_decay=False, perturb=False)
     want = reference_log_probs(reference, TRAJECTORIES)
-    reloaded = from_hf(reference, chunk_size=4)
+    reloaded = from_hf(reference)
     assert reloaded.config == model.config
-    got, _ = harts_log_probs(reloaded, TRAJECTORIES, capacity=12)
+    got, _ = harts_log_probs(reloaded, TRAJECTORIES, chunk_size=4, capacity=12)
     assert max_log_prob_diff(got.log_probs, want) <= 1e-8
-    ours, _ = harts_log_probs(model, TRAJECTORIES, capacity=12)
+    ours, _ = harts_log_probs(model, TRAJECTORIES, chunk_size=4, capacity=12)
     # Kimi's float32-held router and decay biases come back rounded: equal up to that rounding
     assert max_log_prob_diff(ours.log_probs, got.log_probs) <= (0.0 if exact else 1e-5)
 
@@ -79,15 +79,15 @@ def test_round_trip_through_from_pretrained_gives_equal_log_probs(tmp_path, arch
 def test_float32_kimi_round_trips_exactly(tmp_path):
     hf_model = transformers.KimiLinearForCausalLM(kimi_linear_config())
     _perturb(hf_model, seed=1)
-    model = from_hf(hf_model, chunk_size=4)  # remembers transformers' dtypes and token ids
+    model = from_hf(hf_model)  # remembers transformers' dtypes and token ids
     with torch.no_grad():
         model.lm_head.weight.mul_(1.5)
     loaded = load(save_pretrained(model, tmp_path / "kimi"))
     for key, tensor in to_hf_state_dict(model).items():
         assert torch.equal(loaded.state_dict()[key], tensor), key
     assert loaded.config.pad_token_id == hf_model.config.pad_token_id == model.embed_tokens.padding_idx
-    out, _ = harts_log_probs(model, TRAJECTORIES, capacity=12)
-    again, _ = harts_log_probs(from_hf(loaded, chunk_size=4), TRAJECTORIES, capacity=12)
+    out, _ = harts_log_probs(model, TRAJECTORIES, chunk_size=4, capacity=12)
+    again, _ = harts_log_probs(from_hf(loaded), TRAJECTORIES, chunk_size=4, capacity=12)
     assert max_log_prob_diff(out.log_probs, again.log_probs) == 0.0
 
 

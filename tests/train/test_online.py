@@ -85,7 +85,7 @@ def test_sampled_trees_fork_at_turn_boundaries_and_inside_turns():
     batch = rollout_batch(rollouts)
     for tree in range(3):
         assert abs(batch.trajectory_fields["advantages"][batch.tree_ids == tree].sum()) < 1e-9
-    plan = harts.compile(batch, capacity=4096, chunk_size=model.config.chunk_size)
+    plan = harts.compile(batch, capacity=4096, chunk_size=4)
     assert plan.stats["compression"] > 1.5
     with torch.no_grad():
         out = log_probs(model, plan, batch)
@@ -130,7 +130,7 @@ def test_train_task_command(tmp_path):
 @pytest.mark.parametrize("arguments, message", [
     (["train", "demo", "--mode", "both"], "give --task"),
     (["train", "--task", "sorting"], "unknown task 'sorting'"),
-    (["train", "--task", "count:prompts=0"], "prompts must be an int >= 1"),
+    (["train", "--task", "count:prompts=0"], "prompts must be an int in [1, 1024], got 0"),
     (["train", "--task", "count:branches=3"], "task 'count': unknown option 'branches=3'"),
     (["train", "demo", "--task", "count"], "drop INPUT"),
     (["train", "--task", "count", "--mode", "both", "--save", "w.safetensors"], "single --mode"),

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 from typer.testing import CliRunner
@@ -121,6 +121,7 @@ def test_temperature_divides_the_logits_before_the_log_softmax():
        model=st.sampled_from([("kda", "mla", "moe"), ("gdn", "gqa", "dense"), ("kda", "mha", "dense")]))
 def test_harts_on_any_microbatching_trains_as_the_baseline_on_one(trajectories, data, model):
     """HARTS on a random split into microbatches == the baseline on the whole batch at once, step by step."""
+    assume(any(len(t) > 2 for t in trajectories))  # rl_batch masks out the first two tokens; a batch training nothing is refused
     batch = rl_batch(trajectories, seed=len(trajectories))
     assignment = data.draw(st.lists(st.integers(0, 2), min_size=len(trajectories), max_size=len(trajectories)))
     groups = [g for g in ([i for i, a in enumerate(assignment) if a == k] for k in range(3)) if g]
@@ -233,8 +234,8 @@ def test_plan_and_process_group_mismatches_are_reported():
     assert len(replica_microbatches(plan.module, 0, 2)) == plan.stats["num_microbatches"] // 2
     with pytest.raises(TrainingError, match=r"compiled for 2 data-parallel replica\(s\).*process group has 1 rank"):
         trainer.step(batch, plan)
-    other = rl_batch([t.tolist() for t in batch.tokens], seed=5)
-    with pytest.raises(harts.PlanArtifactError, match="not for this batch"):
+    other = rl_batch([t.tolist() + [1] for t in batch.tokens], seed=5)
+    with pytest.raises(harts.PlanBatchMismatchError, match="not for this batch"):
         trainer.step(other, harts.compile(batch, capacity=40, chunk_size=4))
     with pytest.raises(TrainingError, match="kl_coef"):
         TrainConfig(algorithm="ppo", kl_coef=0.1)
@@ -303,8 +304,11 @@ def test_cli_train_harts_and_baseline_give_the_same_losses_and_weights(tmp_path)
         records[mode] = [json.loads(line) for line in metrics.read_text().splitlines()]
         weights[mode] = load_file(saved)
     assert [(r["step"], r["epoch"]) for r in records["harts"]] == [(s, e) for s in (1, 2, 3) for e in (1, 2)]
-    required = {"step", "loss", "kl", "clip_fraction", "tokens", "compression", "fbgrad_seconds", "plan_seconds", "optimizer_seconds"}
+    required = {"step", "loss", "kl", "clip_fraction", "tokens", "compression", "fbgrad_seconds", "plan_seconds",
+                "optimizer_seconds", "rows_per_second"}
     assert required <= records["harts"][0].keys()
+    for record in records["harts"] + records["baseline"]:
+        assert record["rows_per_second"] == pytest.approx(record["rows"] / record["fbgrad_seconds"], rel=1e-12)
     for a, b in zip(records["harts"], records["baseline"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-9)
         if a["epoch"] == 1:
@@ -330,6 +334,28 @@ def test_cli_options_from_yaml_are_overridden_by_flags_and_checked(tmp_path):
     assert result.exit_code == 2 and f"config {tmp_path / 'bad.yaml'}: option 'learning_rate' is unknown" in output
     result = runner.invoke(app, ["train", "demo", "--mode", "fast"])
     assert result.exit_code == 2 and "mode must be one of" in " ".join(result.output.split())
+
+
+def test_the_run_sets_the_matmul_precision_it_is_given_and_restores_the_callers(tmp_path, monkeypatch):
+    from harts.train import loop
+
+    seen = []
+    step = loop.Trainer.step
+
+    def recording_step(self, *args, **kwargs):
+        seen.append(torch.get_float32_matmul_precision())
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(loop.Trainer, "step", recording_step)
+    table = tmp_path / "rollouts.jsonl"
+    forked_batch().write(table)
+    before = torch.get_float32_matmul_precision()
+    for precision, expected in (("medium", "medium"), (None, "highest")):  # None on CPU: exact fp32
+        flags = {"input": str(table), "steps": 1, "epochs": 1, "matmul_precision": precision}
+        loop.run_training(load_options(flags, write_run_config(tmp_path)), progress=False)
+        assert seen[-1] == expected and torch.get_float32_matmul_precision() == before
+    result = runner.invoke(app, ["train", str(table), "--config", str(write_run_config(tmp_path)), "--matmul-precision", "fast"])
+    assert result.exit_code == 2 and "--matmul-precision must be one of" in " ".join(result.output.split())
 
 
 def test_cli_run_trains_both_modes_and_compares(tmp_path):

@@ -43,10 +43,10 @@ def main(table: str, config: str, out: str) -> None:
 
     batch = resolve_input(table)
     model = build_model(options, batch)
-    plan = harts.compile(batch, capacity=options.capacity, dp_size=dist.get_world_size(), chunk_size=model.config.chunk_size)
+    plan = harts.compile(batch, capacity=options.capacity, dp_size=dist.get_world_size(), chunk_size=options.chunk_size)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     report["unwrapped"] = refused(lambda: Trainer(model, optimizer).step(batch, plan))
-    single = harts.compile(batch, capacity=options.capacity, dp_size=1, chunk_size=model.config.chunk_size)
+    single = harts.compile(batch, capacity=options.capacity, dp_size=1, chunk_size=options.chunk_size)
     wrapped = DistributedDataParallel(model)
     report["dp_mismatch"] = refused(lambda: Trainer(wrapped, optimizer).step(batch, single))
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))

@@ -2,7 +2,7 @@
 
 The hand expansions below loop over trajectories and index the per-trajectory log-probs
 (``values[i][t] = log p(tokens_i[t+1] | tokens_i[:t+1])``) one entry at a time, following each
-framework's own convention as cited in :mod:`harts.interop.layouts`. The layouts of a compiled
+framework's own convention as cited in :mod:`harts.interop.framework_layouts`. The layouts of a compiled
 plan's output and of the baseline's output must both match, values, entropies and gradients.
 """
 
@@ -176,3 +176,15 @@ def test_layout_errors_name_the_problem():
         to_layout([torch.zeros(2), torch.zeros(2)], batch, "areal")
     with pytest.raises(LayoutError, match="with_entropy=True"):
         to_layout(log_probs_baseline(tiny_model(), batch), batch, "nemo", entropy=True)
+
+
+def test_an_output_computed_for_another_batch_is_refused():
+    """Same lengths, rows swapped: laid out against the wrong batch, every value would land on the wrong trajectory."""
+    batch = harts.RolloutBatch.from_trajectories([[1, 2, 3], [4, 5, 6]], prompt_length=[1, 1])
+    swapped = harts.RolloutBatch.from_trajectories([[4, 5, 6], [1, 2, 3]], prompt_length=[1, 1])
+    out = log_probs_baseline(tiny_model(), batch)
+    assert out.input_hash == batch.input_hash()
+    with pytest.raises(LayoutError, match="computed for batch .* not for this batch"):
+        to_layout(out, swapped, "verl")
+    later = harts.RolloutBatch.from_trajectories([[1, 2, 3], [4, 5, 6]], prompt_length=[1, 1], advantages=[0.5, -0.5])
+    torch.testing.assert_close(to_layout(out, later, "verl"), to_layout(out, batch, "verl"), rtol=0, atol=0)

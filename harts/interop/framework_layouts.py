@@ -8,7 +8,7 @@ differentiable gather, so gradients flow back into the plan's compact rows.
 Every layout is a set of *slots*; each slot belongs to one token ``s`` of one trajectory (or
 to none: padding, which holds 0). A log-prob slot holds the log-prob *of* its token,
 ``log p(tokens[s] | tokens[:s])`` = ``out.log_probs[i][s - 1]``; a metadata slot
-(:meth:`LayoutSpec.token_field`) holds the token-aligned batch value ``field[i][s]``, so both
+(:meth:`FrameworkLayout.token_field`) holds the token-aligned batch value ``field[i][s]``, so both
 line up elementwise as the framework's loss expects. The layouts:
 
 ``"verl"``  ``[B, R]``, response tokens only, right-padded, label-aligned: slot ``(i, j)`` is
@@ -58,7 +58,7 @@ import torch
 from harts.rollouts.batch import RolloutBatch
 from harts.errors import HartsError
 
-__all__ = ["LAYOUTS", "PROMPT_LENGTH", "LayoutError", "LayoutSpec", "layout_spec", "to_layout"]
+__all__ = ["LAYOUTS", "PROMPT_LENGTH", "LayoutError", "FrameworkLayout", "layout_spec", "to_layout"]
 
 LAYOUTS = ("verl", "trl", "nemo", "areal", "nested")
 
@@ -77,7 +77,7 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
 
 
 @attrs.frozen(eq=False)
-class LayoutSpec:
+class FrameworkLayout:
     """Where every slot of a framework layout comes from.
 
     Attributes:
@@ -165,17 +165,29 @@ def _prompt_lengths(batch: RolloutBatch, prompt_lengths: Any, name: str) -> np.n
     return values.astype(np.int64)
 
 
+#: The most slots (trajectories x columns) a padded layout may have: frameworks index them with 32-bit
+#: offsets, and a larger width is a mistake (``1e12``) that would otherwise end in a MemoryError.
+MAX_LAYOUT_SLOTS = 2**31 - 1
+
+
 def _width(width: int | None, needed: np.ndarray, what: str) -> int:
     longest = int(needed.max(initial=0))
     if width is None:
         return longest
+    if isinstance(width, bool) or not isinstance(width, (int, np.integer)):
+        raise LayoutError(f"width must be an integer number of columns, got {width!r}")
+    if width * max(len(needed), 1) > MAX_LAYOUT_SLOTS:
+        raise LayoutError(
+            f"width {width:,} for {len(needed)} trajectories makes {width * max(len(needed), 1):,} slots, above "
+            f"{MAX_LAYOUT_SLOTS:,}: give the framework's padded width (at least {longest})"
+        )
     if width < longest:
         worst = int(np.argmax(needed))
         raise LayoutError(f"width {width} is too small: trajectory {worst} needs {longest} {what}")
     return int(width)
 
 
-def layout_spec(batch: RolloutBatch, name: str, *, prompt_lengths: Any = None, width: int | None = None) -> LayoutSpec:
+def layout_spec(batch: RolloutBatch, name: str, *, prompt_lengths: Any = None, width: int | None = None) -> FrameworkLayout:
     """The slot map of layout ``name`` for ``batch`` (see the module docstring)."""
     if name not in LAYOUTS:
         raise LayoutError(f"unknown layout {name!r}; expected one of {', '.join(LAYOUTS)}")
@@ -187,19 +199,19 @@ def layout_spec(batch: RolloutBatch, name: str, *, prompt_lengths: Any = None, w
         columns = _width(width, responses, "response columns")
         column = np.arange(columns, dtype=np.int64)[None, :]
         position = np.where(column < responses[:, None], prompts[:, None] + column, -1)
-        return LayoutSpec(name, lengths, np.repeat(np.arange(count), columns), position.reshape(-1), (count, columns),
+        return FrameworkLayout(name, lengths, np.repeat(np.arange(count), columns), position.reshape(-1), (count, columns),
                           prompt_lengths=prompts)
     if name == "nemo":
         columns = max(_width(width, lengths, "tokens") - 1, 0)
         column = np.arange(columns, dtype=np.int64)[None, :]
         position = np.where(column + 1 < lengths[:, None], column + 1, -1)
-        return LayoutSpec(name, lengths, np.repeat(np.arange(count), columns), position.reshape(-1), (count, columns))
+        return FrameworkLayout(name, lengths, np.repeat(np.arange(count), columns), position.reshape(-1), (count, columns))
     offsets = _offsets(lengths)
     trajectory = np.repeat(np.arange(count), lengths)
     step = np.arange(offsets[-1], dtype=np.int64) - offsets[trajectory]
     position = np.where(step + 1 < lengths[trajectory], step + 1, -1)  # both next-token aligned, last entry 0
     shape = (int(offsets[-1]),) if name == "areal" else (count, -1)
-    return LayoutSpec(name, lengths, trajectory, position, shape, offsets=offsets)
+    return FrameworkLayout(name, lengths, trajectory, position, shape, offsets=offsets)
 
 
 def to_layout(
@@ -214,13 +226,21 @@ def to_layout(
     """The log-probs (or, with ``entropy=True``, the entropies) of ``out`` in framework layout ``name``.
 
     ``out`` is a :class:`harts.runtime.LogProbOutput` (from ``log_probs`` on any plan, or from
-    ``log_probs_baseline``) or a list of per-trajectory tensors as its ``log_probs``. The
+    ``log_probs_baseline``) or a list of per-trajectory tensors as its ``log_probs``. A
+    ``LogProbOutput`` computed for another batch (another :meth:`~harts.RolloutBatch.input_hash`)
+    is refused: its rows would land on the wrong trajectories even when the lengths match. The
     result is differentiable; padding holds 0. ``prompt_lengths`` and ``width``: see the
     module docstring; the slot map itself is :func:`layout_spec`.
     """
     if isinstance(out, (list, tuple)):
         values = out
     else:
+        computed_for = getattr(out, "input_hash", None)
+        if computed_for is not None and computed_for != batch.input_hash():
+            raise LayoutError(
+                f"the output was computed for batch {computed_for[:20]}..., not for this batch "
+                f"({batch.input_hash()[:20]}...): pass the batch the log-probs were computed on"
+            )
         values = getattr(out, "entropy" if entropy else "log_probs", None)
         if values is None:
             raise LayoutError(
