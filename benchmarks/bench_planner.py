@@ -18,12 +18,14 @@ Table 2 is reported for ``--table2-dp`` (default 4); Table 3 for every D in ``--
 
 ``--shapes`` times the planner on the batch shapes whose planning must stay bounded (issue 15):
 no sharing at all (1,500 and 3,000 unrelated trajectories), one very wide tree (2,000 leaves on a
-2,000-token prompt), GRPO groups (256 x 16) and deep agentic trees (an SWE-like step of about
-4,300 paths), at ``--shape-dp`` (default 8) and T = ``--capacity``. Per shape it reports the
-planner's wall and CPU time (the two planning passes, median of ``--repeats``), the time and
-work units (:mod:`harts.planner.budget`) of every stage beyond the paper against its budget, the
-whole ``harts.compile`` time, and J of the full planner against the paper's stages alone (its
-candidate set without slot balancing or subtree exchange).
+2,000-token prompt), GRPO groups (256 x 16), deep agentic trees (an SWE-like step of about
+4,300 paths) and the SWE-like step itself, at ``--shape-dp`` (default 8) and T = ``--capacity``.
+Per shape it reports the planner's wall and CPU time (the two planning passes, median of
+``--repeats``), the time and work units (:mod:`harts.planner.budget`) of every stage beyond the
+paper against its budget, ``harts.compile`` end to end (verification on, as by default: wall
+and CPU; verification off; and each pass's time beside it), and J of the full planner against
+the paper's stages alone (its candidate set without slot balancing or subtree exchange).
+Benchmarks only: no test asserts a time.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.ortools_baseline import ortools_plan  # noqa: E402
-from harts.ir.verify_plan import verify_scheduled  # noqa: E402
+from harts.ir.verify import verify  # noqa: E402
 from harts.options import DEFAULT_OPTIONS  # noqa: E402
 from harts.passes.base import PassContext  # noqa: E402
 from harts.passes.lower import lower  # noqa: E402
@@ -52,7 +54,7 @@ from harts.passes.partition_microbatches import PartitionMicrobatches  # noqa: E
 from harts.passes.prefix_compress import PrefixCompress  # noqa: E402
 from harts.passes.schedule_slots import ScheduleSlots  # noqa: E402
 from harts.ir.prefix_index import PrefixIndex  # noqa: E402
-from harts.planner import PlannerOptions, objective, plan, slot_imbalances, step_imbalance  # noqa: E402
+from harts.planner import PlannerOptions, assign_slots, choose_microbatches, objective, slot_imbalances, step_imbalance  # noqa: E402
 from harts.rollouts.workloads import SWE_LIKE_PROFILES, grpo_step, no_sharing_step, swe_like_step, wide_tree_step  # noqa: E402
 
 SECTION = "## Microbatch planning (Tables 2-3)"
@@ -65,11 +67,18 @@ SHAPES = {
     "grpo": ("GRPO: 256 groups of 16", lambda: grpo_step(groups=256, group_size=16)),
     "agentic": ("SWE-like deep trees: large-trees, scale 0.5, 272 tasks",
                 lambda: swe_like_step(seed=1, scale=0.5, tasks=272, profile="large-trees")),
+    "swe-like": ("the SWE-like step: large-trees, seed 1, scale 1", lambda: swe_like_step(seed=1)),
 }
 _RUN_ARGS = ("profile", "steps", "scale", "dp", "table2_dp", "capacity", "time_limit", "workers", "repeats")
 #: runs recorded before profiles existed used the generator's only shape, now ``large-trees``
 _PROFILE_BEFORE_PROFILES = "large-trees"
 logger = logging.getLogger("bench_planner")
+
+
+def harts_pipeline() -> tuple[str, ...]:
+    from harts.compiler import DEFAULT_PIPELINE
+
+    return DEFAULT_PIPELINE
 
 
 def section_title(profile: str) -> str:
@@ -90,21 +99,28 @@ def plan_harts(module, repeats: int):
 
 def _planner_details(module, dp_size: int) -> dict:
     """The winning candidate's source and the planner's time per stage (one more, untimed run)."""
-    result = plan(PrefixIndex.from_module(module), PlannerOptions(capacity=module.capacity, dp_size=dp_size))
+    result = choose_microbatches(PrefixIndex.from_module(module), PlannerOptions(capacity=module.capacity, dp_size=dp_size))
     return {"source": result.source, "stage_seconds": dict(result.seconds)}
+
+
+def _slot_rule_imbalances(works, dp_size: int) -> dict:
+    """Eq. 23 of microbatches of these works under the slot rule (the planner's microbatches are ordered by
+    their smallest rank, the rule's tie key)."""
+    replicas, slots = assign_slots(works, range(len(works)), dp_size)
+    return {"slot_imbalance": slot_imbalances(works, replicas, slots, dp_size), "step_imbalance": step_imbalance(works, replicas, slots, dp_size)}
 
 
 def plan_paper_only(module):
     """The paper's candidate set alone (no re-cut merges, no piece greedy), for comparison."""
     started = time.perf_counter()
-    result = plan(PrefixIndex.from_module(module), PlannerOptions(capacity=module.capacity, dp_size=module.dp_size, extended=False))
+    result = choose_microbatches(PrefixIndex.from_module(module), PlannerOptions(capacity=module.capacity, dp_size=module.dp_size, extended=False))
     return result, time.perf_counter() - started
 
 
 def plan_paper_stages(module):
     """The paper's stages alone: its candidate set, no slot balancing or subtree exchange."""
     started = time.perf_counter()
-    result = plan(PrefixIndex.from_module(module),
+    result = choose_microbatches(PrefixIndex.from_module(module),
                   PlannerOptions(capacity=module.capacity, dp_size=module.dp_size, extended=False, balance=False))
     return result, time.perf_counter() - started
 
@@ -131,7 +147,7 @@ def run(args) -> dict:
         for dp_size in args.dp:
             module = attrs.evolve(compressed, dp_size=dp_size)
             scheduled, harts_seconds, harts_cpu = plan_harts(module, args.repeats)
-            verify_scheduled(scheduled)
+            verify(scheduled)
             mbs = scheduled.microbatches
             works = [mb.work for mb in mbs]
             replicas = [mb.replica for mb in mbs]
@@ -156,8 +172,7 @@ def run(args) -> dict:
                     "objective": list(paper_only.objective),
                     "seconds": paper_seconds,
                     "source": paper_only.source,
-                    "slot_imbalance": slot_imbalances(paper_only.works, paper_only.replicas, paper_only.slots, dp_size),
-                    "step_imbalance": step_imbalance(paper_only.works, paper_only.replicas, paper_only.slots, dp_size),
+                    **_slot_rule_imbalances(paper_only.works, dp_size),
                 },
                 "ortools": {
                     "compact": int(sum(baseline.works)),
@@ -179,7 +194,6 @@ def run(args) -> dict:
 
 def run_shapes(args, shapes: dict = SHAPES) -> dict:
     """Planning time and work per batch shape (``shapes``: name -> (description, generator)); see the module docstring."""
-    import harts
     from harts.planner.search import EXTENSION_STAGES
 
     rows = []
@@ -189,16 +203,14 @@ def run_shapes(args, shapes: dict = SHAPES) -> dict:
         base = lower(batch, capacity=args.capacity, dp_size=args.shape_dp)
         compressed = PrefixCompress().run(base, PassContext(batch=batch))
         scheduled, wall, cpu = plan_harts(compressed, args.repeats)
-        verify_scheduled(scheduled)
+        verify(scheduled)
         index = PrefixIndex.from_module(compressed)
-        full = plan(index, PlannerOptions(capacity=args.capacity, dp_size=args.shape_dp))
+        full = choose_microbatches(index, PlannerOptions(capacity=args.capacity, dp_size=args.shape_dp))
         paper, paper_seconds = plan_paper_stages(compressed)
-        started = time.perf_counter()
-        harts.compile(batch, capacity=args.capacity, dp_size=args.shape_dp)
-        compile_seconds = time.perf_counter() - started
+        compiled = compile_times(batch, args.capacity, args.shape_dp, args.repeats)
         rows.append({
             "shape": name, "description": description, "paths": len(batch), "raw_tokens": int(batch.semantic_tokens),
-            "lower_bound": compressed.trie.compact_tokens, "seconds": wall, "cpu_seconds": cpu, "compile_seconds": compile_seconds,
+            "lower_bound": compressed.trie.compact_tokens, "seconds": wall, "cpu_seconds": cpu, **compiled,
             "objective": list(objective(scheduled.microbatches)), "microbatches": len(scheduled.microbatches),
             "stage_seconds": dict(full.seconds), "work": dict(full.work), "work_limits": dict(full.work_limits),
             "extension_seconds": sum(full.seconds.get(stage, 0.0) for stage in EXTENSION_STAGES if stage != "recut"),
@@ -208,6 +220,28 @@ def run_shapes(args, shapes: dict = SHAPES) -> dict:
                     rows[-1]["objective"], rows[-1]["paper_objective"], full.work)
     return {"args": {"capacity": args.capacity, "shape_dp": args.shape_dp, "repeats": args.repeats, "shapes": list(args.shape_names)},
             "shapes": rows, "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"}
+
+
+def compile_times(batch, capacity: int, dp_size: int, repeats: int) -> dict:
+    """``harts.compile`` end to end (lowering, hashing, every pass, every verifier, the plan in memory), median of
+    ``repeats`` runs with verification on and off, and each pass's time in the median verified run."""
+    import harts
+    from harts.passes.manager import TimePasses
+
+    def once(verify: bool) -> tuple[float, float, dict]:
+        timer = TimePasses()
+        wall, cpu = time.perf_counter(), time.process_time()
+        harts.compile(batch, capacity=capacity, dp_size=dp_size, verify=verify, instruments=[timer])
+        return time.perf_counter() - wall, time.process_time() - cpu, dict(timer.seconds)
+
+    verified = sorted((once(True) for _ in range(repeats)), key=lambda run: run[0])[repeats // 2]
+    unverified = statistics.median(once(False)[0] for _ in range(repeats))
+    return {"compile_seconds": verified[0], "compile_cpu_seconds": verified[1], "compile_unverified_seconds": unverified,
+            "pass_seconds": verified[2]}
+
+
+def _pass_times(row: dict) -> str:
+    return " / ".join(f"{seconds:.2f}" for seconds in row.get("pass_seconds", {}).values())
 
 
 def render_shapes(result: dict) -> str:
@@ -220,11 +254,14 @@ def render_shapes(result: dict) -> str:
     lines.append("")
     lines.append(f"T = {args['capacity']:,}, D = {args['shape_dp']}. Plan: the `partition-microbatches` + `schedule-slots` passes "
                  "(median of the repeats). Work: units used / budget of each stage beyond the paper "
-                 "(`harts.planner.budget`: candidate changes or placements evaluated, trajectories visited per round).")
+                 "(`harts.planner.budget`: candidate changes or placements evaluated, trajectories visited per round). "
+                 "harts.compile: end to end with verification on (lowering, hashing, every pass, every verifier, the plan "
+                 "in memory; median of the repeats, wall and CPU), without verification, and each pass's time in that run "
+                 "(" + " / ".join(harts_pipeline()) + ").")
     lines.append("")
     lines.append("| Shape | Paths | Raw tokens | G | Plan (s) | Plan CPU (s) | beyond-paper stages (s) | Work recut / pieces / exchange / balance "
-                 "(budget each) | harts.compile (s) | J1 HARTS (paper's stages) | J2 HARTS (paper's stages) | paper's stages plan (s) |")
-    lines.append("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+                 "(budget each) | harts.compile (s) | compile CPU (s) | unverified (s) | passes (s) | J1 HARTS (paper's stages) | J2 HARTS (paper's stages) | paper's stages plan (s) |")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|")
     for row in result["shapes"]:
         work = " / ".join(_fmt(row["work"][stage]) for stage in ("recut", "pieces", "exchange", "balance"))
         budget = _fmt(next(iter(row["work_limits"].values())))
@@ -232,7 +269,8 @@ def render_shapes(result: dict) -> str:
         lines.append(
             f"| {row['description']} | {_fmt(row['paths'])} | {_fmt(row['raw_tokens'])} | {_fmt(row['lower_bound'])} | "
             f"{row['seconds']:.3f} | {row['cpu_seconds']:.3f} | {row['extension_seconds']:.3f} | {work} ({budget}) | "
-            f"{row['compile_seconds']:.2f} | {_fmt(j[0])} ({_fmt(p[0])}) | {_fmt(j[1])} ({_fmt(p[1])}) | {row['paper_seconds']:.3f} |"
+            f"{row['compile_seconds']:.2f} | {row.get('compile_cpu_seconds', float('nan')):.2f} | "
+            f"{row.get('compile_unverified_seconds', float('nan')):.2f} | {_pass_times(row)} | {_fmt(j[0])} ({_fmt(p[0])}) | {_fmt(j[1])} ({_fmt(p[1])}) | {row['paper_seconds']:.3f} |"
         )
     lines.append("")
     return "\n".join(lines)

@@ -114,17 +114,17 @@ def compile_command(
     fast_kernels: bool = typer.Option(False, "--fast-kernels", help="Plan for the fast linear-attention kernels: refuse a chunk size they cannot take."),
     print_ir_after_all: bool = typer.Option(False, "--print-ir-after-all", help="Print the IR after every pass (stderr)."),
     print_ir_after: Optional[str] = typer.Option(None, "--print-ir-after", help="Comma-separated passes to print the IR after."),
-    dump_ir: Optional[Path] = typer.Option(None, "--dump-ir", help="Write every stage, lowering and codegen included, to DIR/NNN_<pass>.txt."),
+    dump_ir: Optional[Path] = typer.Option(None, "--dump-ir", help="Write every stage, lowering and lay-out included, to DIR/NNN_<pass>.txt."),
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip IR verification after each pass."),
     time_passes: bool = typer.Option(False, "--time-passes", help="Print the time of every pass."),
 ) -> None:
     """Compile a rollout batch into a plan artifact."""
-    from harts.fsio import IR_DUMP, PLAN_DIRECTORY, PLAN_FILE, check_outputs
+    from harts.fsio import IR_DUMP, check_outputs
     from harts.passes.manager import DumpIR, PrintIRAfter, TimePasses
+    from harts.plan import plan_output_kind
     from harts.rollouts.inputs import input_path, resolve_input
 
-    plan_kind = PLAN_FILE if output.suffix == ".safetensors" else PLAN_DIRECTORY
-    check_outputs([("--output", output, plan_kind), ("--dump-ir", dump_ir, IR_DUMP)], [input_path(input)])
+    check_outputs([("--output", output, plan_output_kind(output)), ("--dump-ir", dump_ir, IR_DUMP)], [input_path(input)])
     instruments = []
     if print_ir_after_all:
         instruments.append(PrintIRAfter(None))
@@ -202,8 +202,9 @@ def convert_command(
     ),
 ) -> None:
     """Convert an RL framework's saved batch into a HARTS node table (trees recovered by token prefixes)."""
-    from harts.fsio import NODE_TABLE, check_outputs
+    from harts.fsio import check_outputs
     from harts.interop import read_framework_batch
+    from harts.rollouts import NODE_TABLE
 
     options = {"ignore": tuple(ignore or ())}
     if framework == "areal":
@@ -234,11 +235,11 @@ def passes_command() -> None:
     from harts.passes import PASS_REGISTRY
 
     table = Table(title="passes")
-    for column in ("name", "requires", "produces", "summary"):
+    for column in ("name", "requires", "produces", "verifier", "purpose"):
         table.add_column(column)
-    for name, pass_class in sorted(PASS_REGISTRY.items(), key=lambda item: item[1].produces):
-        requires = "batch" if pass_class.requires is None else str(pass_class.requires)
-        table.add_row(name, requires, str(pass_class.produces), pass_class.summary)
+    for row in sorted(PASS_REGISTRY.rows(), key=lambda row: row.produces):  # the registry's rows, as they are
+        requires = "batch" if row.requires is None else str(row.requires)
+        table.add_row(row.name, requires, str(row.produces), (row.verifier or "-").rpartition(":")[2], row.purpose)
     Console().print(table)
     Console().print("default pipeline: " + ",".join(harts.DEFAULT_PIPELINE))
 

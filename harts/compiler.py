@@ -12,24 +12,16 @@ from harts.ir.layout import LaidOutModule
 from harts.ir.nodes import Phase
 from harts.options import DEFAULT_OPTIONS, CompileOptions, check_compile_options, check_fast_kernel_chunk_size
 from harts.passes.base import Pass, PassContext
-from harts.passes.codegen import Codegen
+from harts.passes.lay_out import LayOut
 from harts.passes.lower import lower_batch
 from harts.passes.manager import Instrument, instruments_from_environment, run_pipeline, verification_enabled_by_environment
-from harts.passes.registry import parse_pipeline, pipeline_to_text
+from harts.passes.registry import BUILTIN_PASSES, parse_pipeline, pipeline_to_text
 from harts.plan import Plan, compute_stats
 
 logger = logging.getLogger(__name__)
 
-#: The default pipeline, one pass per line, in the order they run and why there.
-DEFAULT_PIPELINE: tuple[str, ...] = (
-    "lower",                   # the batch enters as IR: trajectories, input hash and the targets T, D, B every pass plans for
-    "prefix-compress",         # the compact trie comes first: all later work is counted in compact rows (§3.1, Eq. 5-6)
-    "partition-microbatches",  # membership ranked by J needs the trie's LCP work; replica/slot stay unset (§3.2, Eq. 4, 7-10)
-    "schedule-slots",          # replica x slot of the chosen microbatches, by the rule J was ranked with (§3.2)
-    "segment",                 # segment forests need final membership, and the scheduled phase beneath them (§3.3)
-    "min-call-rounds",         # rounds, replay and state hand-offs over each microbatch's segment forest (Alg. 1)
-    "codegen",                 # last: the compact layout freezes everything above into what the runtime executes (§4.2)
-)
+#: The default pipeline: every built-in pass, in the order of its registry rows (each row's purpose says why there).
+DEFAULT_PIPELINE: tuple[str, ...] = tuple(BUILTIN_PASSES)
 
 
 def default_pipeline_text() -> str:
@@ -37,14 +29,14 @@ def default_pipeline_text() -> str:
 
 
 def complete_pipeline(passes: Sequence[Pass]) -> list[Pass]:
-    """The passes to run: a pipeline that reaches the rounded phase ends in ``codegen``.
+    """The passes to run: a pipeline that reaches the rounded phase ends in ``lay-out``.
 
     A plan that can run is always laid out, so a pipeline written up to ``min-call-rounds``
     (as pipelines were before code generation became a pass) still compiles to one.
     """
     passes = list(passes)
     if passes and passes[-1].produces == Phase.ROUNDED:
-        passes.append(Codegen())
+        passes.append(LayOut())
     return passes
 
 
@@ -79,7 +71,7 @@ def compile(  # noqa: A001 - the public name the design asks for
     ``pipeline`` is pipeline text (``"prefix-compress,partition-microbatches{capacity=4096},..."``)
     or pass instances; the default is :data:`DEFAULT_PIPELINE`. A pipeline that does not start
     with ``lower`` runs on the batch lowered with these options; one that reaches the rounded
-    phase ends in ``codegen`` (:func:`complete_pipeline`). ``verify=None`` follows
+    phase ends in ``lay-out`` (:func:`complete_pipeline`). ``verify=None`` follows
     ``HARTS_VERIFY`` (on unless set to 0). Instruments from the environment are added to the
     ones given.
 

@@ -17,10 +17,11 @@ Every file HARTS writes goes through here, so the guarantees hold everywhere:
 
 The output-ownership rule, one for every file and directory HARTS writes (:func:`check_outputs`):
 HARTS writes a path only when nothing is there yet or when what is there is recognisably its
-own artifact of the same kind (each :class:`OutputKind` says how to recognise one: a plan's
-manifest, a marker in safetensors or PNG metadata or on every metrics record, a node table whose
-content hash matches); it never writes onto, into or around an input of the same run, nor lets
-two outputs of one run share a path. Commands check all their outputs before any work starts,
+own artifact of the same kind (each :class:`OutputKind` says how to recognise one: a marker in
+safetensors or PNG metadata, at the start of every metrics record or of every IR stage file here;
+a plan's manifest in :mod:`harts.plan`, a checkpoint's in :mod:`harts.models.checkpoint`, a node
+table whose content hash matches its rows in :mod:`harts.rollouts.batch`); it never writes onto,
+into or around an input of the same run, nor lets two outputs of one run share a path. Commands check all their outputs before any work starts,
 and every writer checks its target again just before it writes.
 
 Hand-written because neither the standard library nor the project's dependencies offer an
@@ -50,29 +51,29 @@ from harts.errors import OutputError
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "CHECKPOINT",
+    "ARTIFACT_KEY",
     "IR_DUMP",
     "IR_DUMP_STAGE",
     "METRICS",
-    "NODE_TABLE",
+    "METRICS_MARKER",
     "OutputKind",
-    "PLAN_DIRECTORY",
-    "PLAN_FILE",
     "PLOT_DIRECTORY",
     "PNG",
+    "RECORD_LINE_LIMIT",
     "RecordAppender",
     "WEIGHTS",
     "atomic_write_bytes",
+    "atomic_write_with",
     "check_output",
     "check_outputs",
     "dump_stage_header",
+    "foreign_entries",
     "metrics_line",
     "png_metadata",
     "prepare_ir_dump",
-    "atomic_write_with",
-    "foreign_entries",
-    "replace_directory",
     "remove_stale_temporaries",
+    "replace_directory",
+    "safetensors_metadata",
     "temporary_prefix",
 ]
 
@@ -289,7 +290,7 @@ METRICS_MARKER = "harts_metrics"
 _METRICS_PREFIX = ('{"' + METRICS_MARKER + '":').encode()
 #: The longest line a metrics record or a node table's schema record may plausibly be; a longer
 #: first line (a binary file, a huge user record) is not ours, and is not read further.
-_RECORD_LINE_LIMIT = 1 << 20
+RECORD_LINE_LIMIT = 1 << 20
 _DUMP_HEADER = "// harts --dump-ir stage "
 _DUMP_STAGE_NAME = re.compile(r"\d{3}_[A-Za-z0-9][A-Za-z0-9_.-]*\.txt")
 
@@ -310,7 +311,7 @@ def dump_stage_header(index: int, name: str) -> str:
     return f"{_DUMP_HEADER}{index:03d} after {name}, harts {__version__}\n"
 
 
-def _safetensors_metadata(path: Path) -> dict[str, str] | None:
+def safetensors_metadata(path: Path) -> dict[str, str] | None:
     from safetensors import safe_open
 
     try:
@@ -321,33 +322,12 @@ def _safetensors_metadata(path: Path) -> dict[str, str] | None:
 
 
 def _weights_reason(path: Path) -> str | None:
-    metadata = _safetensors_metadata(path)
+    metadata = safetensors_metadata(path)
     if metadata is None:
         return "it is not a safetensors file"
     if metadata.get(ARTIFACT_KEY) != "weights":
         return "its metadata carries no HARTS weights marker"
     return None
-
-
-def _plan_file_reason(path: Path) -> str | None:
-    metadata = _safetensors_metadata(path)
-    if metadata is None:
-        return "it is not a safetensors file"
-    if "harts" not in metadata:
-        return "its metadata holds no HARTS plan manifest"
-    return None
-
-
-def _plan_directory_reason(path: Path) -> str | None:
-    from harts.plan import _why_not_a_plan_directory  # the plan's own format check; imported late: plan imports fsio
-
-    return _why_not_a_plan_directory(path)
-
-
-def _checkpoint_reason(path: Path) -> str | None:
-    from harts.models.checkpoint import _why_not_ours  # the checkpoint's own format check; it imports fsio
-
-    return _why_not_ours(path)
 
 
 def _png_reason(path: Path) -> str | None:
@@ -371,49 +351,14 @@ def _metrics_reason(path: Path) -> str | None:
     """
     with open(path, "rb") as handle:
         for number in itertools.count(1):
-            line = handle.readline(_RECORD_LINE_LIMIT)
+            line = handle.readline(RECORD_LINE_LIMIT)
             if not line:
                 return None
             if not line.startswith(_METRICS_PREFIX):
                 return f"line {number} is not a metrics record HARTS wrote"
-            if len(line) == _RECORD_LINE_LIMIT and not line.endswith(b"\n"):
+            if len(line) == RECORD_LINE_LIMIT and not line.endswith(b"\n"):
                 return f"line {number} is longer than any metrics record HARTS writes"
     return None  # unreachable: itertools.count never ends
-
-
-def _node_table_schema_hash(path: Path) -> str | None:
-    """The content hash the table's schema records (None when it records none), read without reading the rows."""
-    if path.suffix.lower() == ".parquet":
-        import pyarrow.parquet as pq
-
-        from harts.rollouts.nodetable import PARQUET_SCHEMA_KEY
-
-        stored = (pq.read_schema(path).metadata or {}).get(PARQUET_SCHEMA_KEY)
-        schema = json.loads(stored) if stored is not None else None
-    else:
-        with open(path, "rb") as handle:
-            schema = json.loads(handle.readline(_RECORD_LINE_LIMIT) or b"null")
-        if not (isinstance(schema, dict) and schema.get("kind") == "schema"):
-            return None
-    content_hash = schema.get("content_hash") if isinstance(schema, dict) else None
-    return content_hash if isinstance(content_hash, str) else None
-
-
-def _node_table_reason(path: Path) -> str | None:
-    """None for a node table HARTS wrote and nobody edited since: its schema's content hash matches its rows."""
-    from harts.rollouts.batch import RolloutBatch
-
-    try:
-        content_hash = _node_table_schema_hash(path)
-    except Exception:  # pyarrow and json raise several types for files that are not node tables
-        return "it holds no HARTS node-table schema"
-    if content_hash is None:
-        return "it records no HARTS content hash"
-    try:
-        RolloutBatch.read(path)  # checks the rows against that hash
-    except Exception:  # any failure to read it back means it is not a table HARTS wrote as it is
-        return "it does not read back as HARTS wrote it: its rows and content hash disagree"
-    return None
 
 
 def _is_dump_stage(entry: Path) -> bool:
@@ -439,13 +384,9 @@ def _ir_dump_reason(path: Path) -> str | None:
     return None
 
 
-PLAN_DIRECTORY = OutputKind("a HARTS plan", "the plan", True, _plan_directory_reason)
-PLAN_FILE = OutputKind("a HARTS plan", "the plan", False, _plan_file_reason)
 WEIGHTS = OutputKind("a weights file HARTS wrote", "the weights", False, _weights_reason)
-CHECKPOINT = OutputKind("a checkpoint HARTS wrote", "the checkpoint", True, _checkpoint_reason)
 METRICS = OutputKind("a HARTS metrics file", "the metrics", False, _metrics_reason)
 PNG = OutputKind("a figure HARTS drew", "the figure", False, _png_reason)
-NODE_TABLE = OutputKind("a node table HARTS wrote", "the node table", False, _node_table_reason)
 IR_DUMP = OutputKind("an IR dump HARTS wrote", "the IR dump", True, _ir_dump_reason)
 IR_DUMP_STAGE = OutputKind("a stage of an IR dump HARTS wrote", "the IR stage", False,
                            lambda path: None if _is_dump_stage(path) else "it does not start with the HARTS dump header")

@@ -57,25 +57,19 @@ DEFAULT_OPTIONS = CompileOptions()
 
 def check_compile_options(*, capacity: Any, dp_size: Any, chunk_size: Any, passes: Sequence[Any]) -> None:
     """Refuse options no plan can serve: non-positive or non-integer sizes, an empty pipeline, a chunk
-    larger than :data:`MAX_CHUNK_SIZE`, a capacity above :data:`MAX_CAPACITY`
-    (also where a pass option such as ``partition-microbatches{capacity=...}`` overrides it)."""
+    larger than :data:`MAX_CHUNK_SIZE`, a capacity above :data:`MAX_CAPACITY`. (A pass's own options are
+    the pass's to validate: each is a declared, checked field of its frozen class, :func:`harts.passes.option`;
+    T, D and B are compile options only, recorded by ``lower``, which no pass overrides.)"""
     _positive_integer("capacity", capacity)
     _positive_integer("dp_size", dp_size)
     _positive_integer("chunk_size", chunk_size)
     if not passes:
         raise PipelineError("the pipeline is empty: name at least one pass (the default is harts.DEFAULT_PIPELINE)")
-    capacities = [("capacity", capacity, "")]
-    for stage in passes:
-        override = getattr(stage, "capacity", None)
-        if override is not None:
-            capacities.append(("capacity", _positive_integer("capacity", override, f"pass '{stage.name}': "),
-                               f"pass '{stage.name}': "))
-    for name, value, where in capacities:
-        if value > MAX_CAPACITY:
-            raise PipelineError(
-                f"{where}option '{name}' is {value:,}, above {MAX_CAPACITY:,}: the attention kernels index a microbatch's "
-                "rows with 32-bit offsets"
-            )
+    if capacity > MAX_CAPACITY:
+        raise PipelineError(
+            f"option 'capacity' is {capacity:,}, above {MAX_CAPACITY:,}: the attention kernels index a microbatch's "
+            "rows with 32-bit offsets"
+        )
     if chunk_size > MAX_CHUNK_SIZE:
         raise PipelineError(
             f"option 'chunk_size' is {chunk_size:,}, above {MAX_CHUNK_SIZE:,}: the linear-attention kernels allocate "

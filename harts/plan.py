@@ -5,7 +5,7 @@ Artifact layout (a directory)::
     PLAN/manifest.json         schema version, harts version, input hash, options, pipeline,
                                stats, sha256 of the two files below, and its own digest
     PLAN/plan.ir               the IR in canonical text (the rounded module of a laid-out plan)
-    PLAN/tensors.safetensors   the ``codegen`` stage: each microbatch's layout arrays, as runs
+    PLAN/tensors.safetensors   the ``lay-out`` stage: each microbatch's layout arrays, as runs
 
 or a single ``*.safetensors`` file holding the tensors, with manifest and IR in its
 metadata (one key, ``harts``). The tensors are the source of truth for the layouts: loading
@@ -36,7 +36,7 @@ from safetensors.numpy import save as save_tensors
 from harts._version import __version__
 from harts.binding import BoundPlan, bind
 from harts.errors import HartsError, OutputError, PlanArtifactError
-from harts.fsio import PLAN_DIRECTORY, PLAN_FILE, atomic_write_bytes, check_output, foreign_entries, replace_directory
+from harts.fsio import OutputKind, atomic_write_bytes, check_output, foreign_entries, replace_directory
 from harts.ir.layout import LaidOutModule, MicrobatchLayout
 from harts.ir.nodes import Module, Phase
 from harts.ir.text import parse_ir, print_ir
@@ -128,7 +128,7 @@ def _sequence_json(sequence) -> dict[str, Any]:
 
 @attrs.frozen(eq=False)
 class Plan:
-    """A compiled plan: the final IR, its layouts (the ``codegen`` stage), the pipeline that
+    """A compiled plan: the final IR, its layouts (the ``lay-out`` stage), the pipeline that
     produced it and its statistics.
 
     ``layouts`` is None for a plan whose pipeline stopped before code generation; only a
@@ -212,7 +212,7 @@ class Plan:
     def ir_text(self) -> str:
         return print_ir(self.module)
 
-    # ------------------------------------------------------------- codegen
+    # ------------------------------------------------------------- lay-out
     def layout(self, microbatch: int) -> MicrobatchLayout:
         """The compact physical layout of one microbatch (a laid-out plan's stored one)."""
         if self.layouts is None:
@@ -253,7 +253,7 @@ class Plan:
         """Write the artifact atomically: a directory, or one file if ``path`` ends in ``.safetensors``."""
         path = Path(path)
         try:  # the output-ownership rule (harts.fsio), before any work: new, or a plan HARTS wrote
-            check_output(path, PLAN_FILE if path.suffix == ".safetensors" else PLAN_DIRECTORY)
+            check_output(path, plan_output_kind(path))
         except OutputError as error:
             raise PlanArtifactError(str(error)) from None
         ir_text = self.ir_text()
@@ -322,6 +322,20 @@ def _is_plan_file(path: Path) -> bool:
             return "harts" in (handle.metadata() or {})
     except Exception:  # safetensors raises several types for files that are not its own
         return False
+
+
+def _why_not_a_plan_file(path: Path) -> str | None:
+    return None if _is_plan_file(path) else "it is not a safetensors file whose metadata holds a HARTS plan manifest"
+
+
+#: Plan targets for the output-ownership rule (:func:`harts.fsio.check_outputs`): HARTS replaces only plans it wrote.
+PLAN_DIRECTORY = OutputKind("a HARTS plan", "the plan", True, _why_not_a_plan_directory)
+PLAN_FILE = OutputKind("a HARTS plan", "the plan", False, _why_not_a_plan_file)
+
+
+def plan_output_kind(path: str | os.PathLike) -> OutputKind:
+    """The kind of plan :meth:`Plan.save` writes at ``path``: one file for ``.safetensors``, else a directory."""
+    return PLAN_FILE if Path(path).suffix == ".safetensors" else PLAN_DIRECTORY
 
 
 def _refuse_foreign_target(path: Path, why: str) -> PlanArtifactError:

@@ -121,7 +121,7 @@ def _path_functions(layout: MicrobatchLayout, shape: AttentionShape, device: tor
     parent = tree_attention.layout_parents(layout)
     kv_rows, kv_offsets = attention_kv_rows(layout)
     kv_index = torch.as_tensor(kv_rows, device=device)
-    cu_q = torch.as_tensor(layout.seq_row_start, device=device)
+    cu_q = torch.tensor(layout.seq_row_start, device=device)
     cu_k = torch.as_tensor(kv_offsets, device=device)
 
     def gathered(q, k, v):

@@ -111,7 +111,7 @@ from harts_bench.profiling import (
     seconds_by_family,
     seconds_by_kernel,
 )
-from harts.rollouts.workloads import swe_like_step, trees_near_compression
+from harts.rollouts.workloads import swe_like_step, trees_near_compression, with_compression
 from harts_bench.train_step import headline_train_line, train_step_figures
 
 
@@ -125,8 +125,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "whole trees within the default budget)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--target-compression", type=float, default=None,
-                        help="keep the whole trees whose joint sharing is closest to this ratio (within --tokens); "
-                             "default: whole trees in generation order")
+                        help="keep the whole trees whose joint sharing is closest to this ratio (within --tokens), and "
+                             "lower their sharing to it when they share more (any ratio >= 1, e.g. 1.0 for no "
+                             "sharing); default: whole trees in generation order")
     parser.add_argument("--capacity", type=int, default=65536)
     parser.add_argument("--plan-repeats", type=int, default=3,
                         help="compiles timed after the first; core uses their median (the first pays imports)")
@@ -219,6 +220,17 @@ def build_config(args) -> HybridConfig:
     return HybridConfig.preset(args.preset, **overrides)
 
 
+def _lowered_to_compression(batch, args, config: HybridConfig):
+    """Whole trees rarely share less than about 3.5x: below that, lower the chosen trees' sharing to
+    ``--target-compression`` (``with_compression``), measured as the compression planned at ``--capacity``."""
+    def planned(candidate) -> float:
+        return harts.compile(candidate, capacity=args.capacity, chunk_size=config.chunk_size, verify=False).stats["compression"]
+
+    if planned(batch) <= args.target_compression * 1.01:
+        return batch
+    return with_compression(batch, args.target_compression, vocab_size=config.vocab_size, seed=args.seed, measure=planned)
+
+
 def build_workload(args, config: HybridConfig):
     """The SWE-like step, its selected trees and their compiled plan: (full step, batch, plan, steady-state
     planning seconds, the first compile's seconds)."""
@@ -227,6 +239,7 @@ def build_workload(args, config: HybridConfig):
         batch = select_trees(full, args.tokens)
     else:
         batch = trees_near_compression(full, args.tokens, args.target_compression, args.capacity)
+        batch = _lowered_to_compression(batch, args, config)
     say(f"workload: {len(batch.tokens)} trajectories of {len(set(np.asarray(batch.tree_ids).tolist()))} tree(s), "
         f"{batch.semantic_tokens} raw tokens (step had {len(full.tokens)} paths, {full.semantic_tokens} tokens)")
     say(f"compiling with capacity {args.capacity} ...")
@@ -387,7 +400,7 @@ def hidden_by_trajectory_harts(model, plan, batch, kernels):
         states, _ = model.forward_hidden(view.input_ids(batch.tokens), view)
         for j, trajectory in enumerate(layout.trajectories):
             rows = layout.trajectory_rows[layout.trajectory_offsets[j] : layout.trajectory_offsets[j + 1]]
-            hidden[int(trajectory)] = states.index_select(0, torch.as_tensor(rows, device=states.device))
+            hidden[int(trajectory)] = states.index_select(0, torch.tensor(rows, device=states.device))
     return hidden
 
 

@@ -37,7 +37,6 @@ __all__ = [
     "decode_arithmetic_runs",
     "encode_arithmetic_runs",
     "lay_out",
-    "layout_of",
 ]
 
 logger = logging.getLogger(__name__)
@@ -75,8 +74,9 @@ def build_layout(module: Module, microbatch_index: int) -> MicrobatchLayout:
                 node_row[node] = segment_row + trie.nodes[node].start - segment.start
 
     # The map m: every member's trie path, node by node, in member order.
-    path_nodes = np.array([node.id for trajectory in members for node in trie.path(int(trajectory))], dtype=np.int64)
-    node_length = np.array([node.end - node.start for node in trie.nodes], dtype=np.int64)
+    parent, node_start, node_end, _ = trie.node_arrays()
+    _, path_nodes = trie.paths_of(members, parent)
+    node_length = node_end - node_start
     trajectory_rows = concatenated_ranges(node_row[path_nodes], node_length[path_nodes])
     trajectory_offsets = offsets_of([module.trajectories[int(i)].length for i in members])
     rows = int(seq_row_start[-1])
@@ -114,12 +114,3 @@ def build_layout(module: Module, microbatch_index: int) -> MicrobatchLayout:
 def lay_out(module: Module) -> LaidOutModule:
     """The ``laid_out`` phase of a verified rounded module: one layout per microbatch, in order."""
     return LaidOutModule(module=module, layouts=tuple(build_layout(module, mb.index) for mb in module.microbatches))
-
-
-def layout_of(source: Module | LaidOutModule, microbatch: int) -> MicrobatchLayout:
-    """One microbatch's layout: the stored one of a laid-out module, else laid out now from a rounded one."""
-    if isinstance(source, LaidOutModule):
-        if not 0 <= microbatch < len(source.layouts):
-            raise IRVerificationError(f"the module has no microbatch {microbatch} ({len(source.layouts)} microbatches)")
-        return source.layouts[microbatch]
-    return build_layout(source, microbatch)

@@ -1,11 +1,11 @@
 """What the verl and AReaL engines share: the HARTS model of the framework's Hugging Face model, and the plan.
 
-``hybrid_model_of`` is the one place the model is constructed. Until the HARTS model can share
-the Hugging Face model's parameters, it is a copy (:func:`harts.models.from_hf`) that
-:func:`sync_weights` refreshes from the framework's model before every batch and whose gradients
-:func:`land_gradients` adds onto the framework's parameters after it, so the framework's optimizer,
-checkpointing and weight sync see the update as if its own forward had run. A parameter that is the
-framework's own tensor (a shared model) is skipped by both, so they cost nothing then.
+``hybrid_model_of`` is the one place the model is constructed: :func:`harts.models.share_hf`,
+a HARTS model on the framework's own parameters, so gradients land on them and the framework's
+optimizer, checkpointing and weight sync see the update as if its own forward had run.
+:func:`sync_weights` and :func:`land_gradients` copy weights in and gradients out for any
+parameter that is not the framework's own tensor (a model built by :func:`harts.models.from_hf`
+instead); for a shared model they do nothing.
 """
 
 from __future__ import annotations
@@ -16,24 +16,20 @@ import torch
 from torch import nn
 
 import harts
-from harts.errors import HartsError
+from harts.integrations.engine import IntegrationError
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["IntegrationError", "compile_for", "hybrid_model_of", "land_gradients", "scalar_temperature", "sync_weights"]
 
 
-class IntegrationError(HartsError, ValueError):
-    """A framework hands the HARTS engine something it cannot run as the framework would."""
-
-
 def hybrid_model_of(hf_model: nn.Module) -> nn.Module:
-    """The HARTS model computing on ``hf_model`` (a transformers Qwen3-Next / Kimi Linear causal LM)."""
-    from harts.models import from_hf
+    """The HARTS model computing on ``hf_model`` (a transformers Qwen3-Next / Kimi Linear causal LM), sharing its parameters."""
+    from harts.models import share_hf
 
     for parameter in hf_model.parameters():
-        _local(parameter)  # the copy is made of full tensors
-    return from_hf(hf_model)
+        _local(parameter)  # HARTS' forward does not run FSDP's unsharding hooks
+    return share_hf(hf_model)
 
 
 def _pairs(hybrid: nn.Module, hf_model: nn.Module):
@@ -48,8 +44,8 @@ def _pairs(hybrid: nn.Module, hf_model: nn.Module):
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     if type(tensor).__name__ == "DTensor":
         raise IntegrationError(
-            "the framework's model is sharded (FSDP2 DTensor parameters); the HARTS engine's copy of the weights "
-            "needs the unsharded model (world size 1) until the HARTS model shares the framework's parameters"
+            "the framework's model is sharded (FSDP2 DTensor parameters); the HARTS engine runs on the unsharded "
+            "model (world size 1, or a replicated model) until it gathers shards itself"
         )
     return tensor
 

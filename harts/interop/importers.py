@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from harts.rollouts.batch import ROUTED_EXPERTS, RolloutBatch
+from harts.rollouts.fields import LOG_PROB_FIELDS, check_log_prob_values
 from harts.errors import RolloutInputError
 from harts.interop.framework_layouts import PROMPT_LENGTH
 
@@ -193,6 +194,11 @@ class _Rows:
             self.routed.append(np.asarray(routed, dtype=np.int64))
 
     def batch(self) -> RolloutBatch:
+        # what the importers hand on feeds a loss: no NaN or +inf log-probs (a stored batch may hold them)
+        for name, per_row in self.token_fields.items():
+            if name in LOG_PROB_FIELDS:
+                for row, values in enumerate(per_row):
+                    check_log_prob_values(name, np.asarray(values), f"{self.framework} batch: row {row} (trajectory {row})")
         if PROMPT_LENGTH in self.token_fields or PROMPT_LENGTH in self.trajectory_fields:
             raise RolloutInputError(
                 f"{self.framework} batch: key '{PROMPT_LENGTH}' is the field the importer writes the prompt lengths to; "

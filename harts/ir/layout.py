@@ -8,7 +8,7 @@ adjacent. Replay rows ``[replay_start, start)`` are not rows of their own: they 
 ancestors' rows, gathered when a linear-attention call needs them.
 
 A layout is the IR node of the ``laid_out`` phase (whose root, :class:`LaidOutModule`,
-holds the rounded module and one layout per microbatch): the ``codegen`` pass builds it
+holds the rounded module and one layout per microbatch): the ``lay-out`` pass builds it
 (:mod:`harts.codegen.layout`), :func:`harts.ir.verify_layout.verify_laid_out` checks it,
 the plan artifact stores its arrays and the runtime executes from them. Everything here is
 a flat numpy ``int64`` array (CSR for ragged lists); in the IR text and in the artifact each
@@ -405,7 +405,7 @@ class MicrobatchLayout:
 class LaidOutModule:
     """The ``laid_out`` phase: a rounded module and, per microbatch (in order), its layout.
 
-    ``codegen`` produces it; the plan artifact stores ``module`` as IR text and ``layouts``
+    ``lay-out`` produces it; the plan artifact stores ``module`` as IR text and ``layouts``
     as tensors. Not hashable (layouts hold arrays).
     """
 

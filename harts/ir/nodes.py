@@ -5,15 +5,10 @@ every span ``[start, end)`` below is in the coordinates of the trajectory it nam
 Tokens themselves are not part of the IR: they live in the :class:`~harts.RolloutBatch`
 whose hash the module records, so the IR stays small and prints in full.
 
-Phases, in order, and what each adds (the pass that adds it in brackets):
-
-* ``lowered``      trajectories (index, tree, length)                  [lower]
-* ``compressed``   the compact trie over the whole batch              [prefix-compress]
-* ``partitioned``  microbatches: member trajectories and their work   [partition-microbatches]
-* ``scheduled``    a DP replica and a slot for every microbatch       [schedule-slots]
-* ``segmented``    each microbatch's segment forest on the chunk grid [segment]
-* ``rounded``      each microbatch's execution rounds (Alg. 1)        [min-call-rounds]
-* ``laid_out``     each microbatch's compact physical layout (§4.2)   [codegen]
+Phases, in order: ``lowered``, ``compressed``, ``partitioned``, ``scheduled``, ``segmented``,
+``rounded``, ``laid_out``. Which pass produces each, what it adds and which verifier checks it
+is one table, the pass registry (:data:`harts.passes.registry.BUILTIN_PASSES`; ``harts passes``
+prints it).
 
 The first six phases are phases of one root, :class:`Module`. Code generation changes the
 root: a :class:`~harts.ir.layout.LaidOutModule` holds the rounded module and one
@@ -24,9 +19,11 @@ executes.
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Iterable
 
 import attrs
+import numpy as np
 
 
 class Phase(enum.IntEnum):
@@ -68,6 +65,10 @@ class TrieNode:
     end: int
     multiplicity: int
     row: int
+
+
+#: CompactTrie.node_arrays of the tries alive, by id: (a weak reference to the trie, its arrays)
+_NODE_ARRAYS: dict[int, tuple[weakref.ref, tuple[np.ndarray, ...]]] = {}
 
 
 @attrs.frozen
@@ -113,6 +114,46 @@ class CompactTrie:
             if node.parent >= 0:
                 children[node.parent] += 1
         return [node.parent < 0 or children[node.parent] > 1 for node in self.nodes]
+
+    def node_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every node's ``parent``, ``start``, ``end`` and ``row`` as read-only int64 arrays (indexed by node id).
+
+        Code generation and the verifiers ask for them once per microbatch; they are built once per trie
+        and kept beside it (keyed by identity, dropped with the trie), since the trie itself is frozen.
+        """
+        key = id(self)
+        held = _NODE_ARRAYS.get(key)
+        if held is not None and held[0]() is self:
+            return held[1]
+        count = len(self.nodes)
+        arrays = tuple(np.fromiter((getattr(node, name) for node in self.nodes), dtype=np.int64, count=count)
+                       for name in ("parent", "start", "end", "row"))
+        for array in arrays:
+            array.flags.writeable = False
+        _NODE_ARRAYS[key] = (weakref.ref(self, lambda _, key=key: _NODE_ARRAYS.pop(key, None)), arrays)
+        return arrays
+
+    def paths_of(self, trajectories: np.ndarray, parent: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The root-to-leaf paths of ``trajectories`` at once: (position in ``trajectories``, node) pairs,
+        ordered by position and then root first. ``parent``: :meth:`node_arrays`' first array, when at hand.
+
+        Climbs from every leaf in one numpy step per level; a path's nodes ascend in preorder from
+        its root, so sorting the pairs puts each path root first.
+        """
+        parent = self.node_arrays()[0] if parent is None else parent
+        owners, nodes = [], []
+        owner = np.arange(len(trajectories), dtype=np.int64)
+        node = np.asarray(self.leaf, dtype=np.int64)[np.asarray(trajectories, dtype=np.int64)]
+        while owner.size:
+            owners.append(owner)
+            nodes.append(node)
+            keep = parent[node] >= 0
+            owner, node = owner[keep], parent[node[keep]]
+        if not owners:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        owner, node = np.concatenate(owners), np.concatenate(nodes)
+        order = np.lexsort((node, owner))
+        return owner[order], node[order]
 
     def rows(self, trajectory: int) -> list[int]:
         """The map m for one trajectory: the compact row of each of its positions."""

@@ -1,18 +1,19 @@
 """``verify(module)``: check every invariant of the module's phase and of the phases before it.
 
-One verifier per phase: ``verify_lowered`` and ``verify_compressed`` here, the planner's
-(``verify_plan``), the min-call planner's (``verify_rounds``) and code generation's
-(``verify_layout``); every pass's output goes through :func:`verify`.
+One verifier per phase, named in the phase's row of the pass registry
+(:data:`harts.passes.registry.BUILTIN_PASSES`): ``verify_lowered`` and ``verify_compressed``
+here, the planner's (``verify_plan``), the min-call planner's (``verify_rounds``) and code
+generation's (``verify_layout``); every pass's output goes through :func:`verify`.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 from harts.ir.layout import LaidOutModule
 from harts.ir.nodes import Module, Phase
 from harts.ir.verify_common import fail
-from harts.ir.verify_layout import verify_laid_out
-from harts.ir.verify_plan import verify_partitioned, verify_scheduled
-from harts.ir.verify_rounds import verify_rounded, verify_segmented
 
 
 def verify_lowered(module: Module) -> None:
@@ -73,28 +74,70 @@ def verify_compressed(module: Module) -> None:
             fail(f"trie.lcp[{rank}] = {trie.lcp[rank]} exceeds the shorter of trajectories {a} and {b}")
 
 
-_CHECKS = (
-    (Phase.LOWERED, verify_lowered),
-    (Phase.COMPRESSED, verify_compressed),
-    (Phase.PARTITIONED, verify_partitioned),
-    (Phase.SCHEDULED, verify_scheduled),
-    (Phase.SEGMENTED, verify_segmented),
-    (Phase.ROUNDED, verify_rounded),
+@functools.cache
+def phase_checks() -> tuple[tuple[Phase, Callable], ...]:
+    """Each phase and the verifier of the invariants it adds, in phase order: read from the pass registry's
+    rows (:data:`harts.passes.registry.BUILTIN_PASSES`), the one list of passes and phases."""
+    from harts.passes.registry import BUILTIN_PASSES, load  # the registry is pure data; its passes load lazily
+
+    rows = sorted((row for row in BUILTIN_PASSES.values() if row.verifier), key=lambda row: row.produces)
+    return tuple((row.produces, load(row.verifier)) for row in rows)
+
+
+#: what each module phase adds, per microbatch (the module-wide parts are compared in :func:`_unchanged_through`)
+_MICROBATCH_FIELDS = (
+    (Phase.PARTITIONED, ("index", "trajectories", "work")),
+    (Phase.SCHEDULED, ("replica", "slot")),
+    (Phase.SEGMENTED, ("segments",)),
+    (Phase.ROUNDED, ("rounds", "replay_tokens")),
 )
 
 
-def verify(module: Module | LaidOutModule) -> None:
-    """Raise :class:`IRVerificationError` unless ``module`` satisfies the invariants of its phase."""
+def _same(a, b) -> bool:
+    return a is b or (isinstance(a, int) and isinstance(b, int) and a == b)
+
+
+def _unchanged_through(module: Module, verified: Module | None) -> int:
+    """The last phase whose parts ``module`` shares, object for object, with the already verified module
+    ``verified`` (-1: none). A phase's check reads only the parts of its own and earlier phases, so checks up
+    to that phase hold for ``module`` as they did for ``verified``: passes evolve modules and keep what they
+    do not change, so a pass's output needs the checks of what it added (and of anything it rebuilt)."""
+    if not isinstance(verified, Module) or module.trajectories is not verified.trajectories or (
+            module.input_hash, module.capacity, module.dp_size, module.chunk_size) != (
+            verified.input_hash, verified.capacity, verified.dp_size, verified.chunk_size):
+        return -1
+    if verified.phase < Phase.COMPRESSED or module.trie is not verified.trie:
+        return Phase.LOWERED
+    same = Phase.COMPRESSED
+    ours, theirs = module.microbatches, verified.microbatches
+    if ours is None or theirs is None or len(ours) != len(theirs):
+        return same
+    for phase, fields in _MICROBATCH_FIELDS:
+        if verified.phase < phase or not all(_same(getattr(a, f), getattr(b, f)) for a, b in zip(ours, theirs) for f in fields):
+            return same
+        same = phase
+    return same
+
+
+def verify(module: Module | LaidOutModule, *, verified: Module | None = None) -> None:
+    """Raise :class:`IRVerificationError` unless ``module`` satisfies the invariants of its phase.
+
+    ``verified``: a module that passed :func:`verify` before (the pass manager hands in a pass's input); the
+    checks of the phases whose parts ``module`` shares with it, object for object, are not run again.
+    """
     if isinstance(module, LaidOutModule):
-        verify(module.module)
-        verify_laid_out(module)
+        verify(module.module, verified=verified)
+        dict(phase_checks())[Phase.LAID_OUT](module)
         return
     if not isinstance(module, Module):
         fail(f"expected an IR Module, got {type(module).__name__}")
     if module.phase > Phase.ROUNDED:
         fail(f"a Module cannot be at phase {module.phase}: code generation returns a LaidOutModule")
-    for phase, check in _CHECKS:
-        if module.phase >= phase:
+    unchanged = _unchanged_through(module, verified)
+    for phase, check in phase_checks():
+        if phase == Phase.LAID_OUT:
+            break
+        if unchanged < phase <= module.phase:
             check(module)
     if module.phase < Phase.PARTITIONED and module.microbatches is not None:
         fail(f"phase {module.phase} must not carry microbatches")

@@ -17,92 +17,294 @@ never builds a layout itself (loading a plan verifies it without re-deriving it)
 * exports and state sources encode the IR's, chunk indices counted from the replay start of
   the exporting sequence. (That the states exist, are ready and lie on the right prefix is
   an invariant of the rounds, checked by ``verify_rounded``.)
+
+Compiling verifies every plan, so the checks are vectorised over all microbatches at once
+(one numpy expression per invariant over the layouts' arrays laid end to end) instead of
+looping over microbatches, sequences and trajectories: the per-microbatch Python overhead was
+most of a compile's verification time. Arrays of one entry per semantic token (the map m,
+ancestor rows) are checked microbatch by microbatch, to avoid copying them end to end.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
-from harts.ir.layout import LaidOutModule, MicrobatchLayout, concatenated_ranges, offsets_of, state_handoffs
-from harts.ir.nodes import CompactTrie, Microbatch, Module, Phase
+from harts.ir.layout import ARRAY_FIELDS, LaidOutModule, MicrobatchLayout, concatenated_ranges, offsets_of
+from harts.ir.nodes import Module, Phase
 from harts.ir.verify_common import fail
 
-
-def _expect(where: str, name: str, actual: np.ndarray, expected) -> None:
-    expected = np.asarray(expected, dtype=np.int64).reshape(-1)
-    if actual.shape != expected.shape:
-        fail(f"{where}: layout field {name} has {actual.shape[0]} entries, the rounds need {expected.shape[0]}")
-    wrong = np.flatnonzero(actual != expected)
-    if wrong.size:
-        k = int(wrong[0])
-        fail(f"{where}: layout field {name} differs from the rounds at entry {k} ({int(actual[k])}, expected {int(expected[k])})")
+#: arrays with one entry per row, semantic token or ancestor position: checked per microbatch, never concatenated
+_TOKEN_FIELDS = ("trajectory_rows", "ancestor_rows", "row_trajectory", "row_position", "row_multiplicity")
 
 
-def _trie_rows(trie: CompactTrie, trajectory: int) -> np.ndarray:
-    """The compact trie row of every position of ``trajectory`` (m over the whole batch)."""
-    path = trie.path(trajectory)
-    return concatenated_ranges([node.row for node in path], [node.end - node.start for node in path])
+class _Flat:
+    """Every layout's arrays laid end to end, with per-microbatch offsets (``bounds[name]``, K + 1 entries)."""
+
+    def __init__(self, layouts: tuple[MicrobatchLayout, ...]):
+        self.layouts = layouts
+        self.arrays: dict[str, np.ndarray] = {}
+        self.bounds: dict[str, np.ndarray] = {}
+        for name in ARRAY_FIELDS:
+            parts = [getattr(layout, name) for layout in layouts]
+            self.bounds[name] = offsets_of([part.shape[0] for part in parts])
+            if name not in _TOKEN_FIELDS:
+                self.arrays[name] = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def expect(self, name: str, expected: np.ndarray, expected_bounds: np.ndarray) -> None:
+        """``name`` of every layout equals the rounds' ``expected`` (laid end to end the same way)."""
+        actual, bounds = self.arrays[name], self.bounds[name]
+        sizes, expected_sizes = np.diff(bounds), np.diff(expected_bounds)
+        wrong = np.flatnonzero(sizes != expected_sizes)
+        if wrong.size:
+            k = int(wrong[0])
+            fail(f"microbatch {k}: layout field {name} has {int(sizes[k])} entries, the rounds need {int(expected_sizes[k])}")
+        wrong = np.flatnonzero(actual != expected)
+        if wrong.size:
+            entry = int(wrong[0])
+            k = int(np.searchsorted(bounds, entry, side="right")) - 1
+            local = entry - int(bounds[k])
+            fail(f"microbatch {k}: layout field {name} differs from the rounds at entry {local} "
+                 f"({int(actual[entry])}, expected {int(expected[entry])})")
 
 
-def _verify_layout(module: Module, microbatch: Microbatch, layout: MicrobatchLayout) -> None:
-    where = f"microbatch {microbatch.index}"
-    if not isinstance(layout, MicrobatchLayout):
-        fail(f"{where}: expected a MicrobatchLayout, got {type(layout).__name__}")
-    problem = layout.structure_problem()
-    if problem is not None:
-        fail(f"{where}: layout: {problem}")
-    if (layout.microbatch, layout.chunk_size) != (microbatch.index, module.chunk_size):
-        fail(
-            f"{where}: the layout is of microbatch {layout.microbatch} at chunk size {layout.chunk_size}, "
-            f"expected microbatch {microbatch.index} at chunk size {module.chunk_size}"
-        )
-    members = np.asarray(microbatch.trajectories, dtype=np.int64)
-    _expect(where, "trajectories", layout.trajectories, members)
-    _expect(where, "trajectory_offsets", layout.trajectory_offsets, offsets_of([module.trajectories[i].length for i in members]))
+def _grouped_offsets(lengths: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """CSR offsets of every group of ``lengths`` (groups of ``counts`` consecutive entries), laid end to end,
+    and the bounds of each group's offsets (``counts + 1`` entries per group)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    counts = np.asarray(counts, dtype=np.int64)
+    bounds = offsets_of(counts + 1)
+    out = np.zeros(int(bounds[-1]), dtype=np.int64)
+    if lengths.size:
+        group = np.repeat(np.arange(counts.size), counts)
+        inclusive = np.cumsum(lengths)
+        base = (inclusive - lengths)[offsets_of(counts)[:-1][counts > 0]]
+        group_base = np.zeros(counts.size, dtype=np.int64)
+        group_base[counts > 0] = base
+        out[np.arange(lengths.size) + group + 1] = inclusive - group_base[group]
+    return out, bounds
 
-    # The rounds, sequence by sequence in layout order.
-    sequences = [(round_.index, sequence) for round_ in microbatch.rounds for sequence in round_.sequences]
-    _expect(where, "round_seq_start", layout.round_seq_start, offsets_of([len(r.sequences) for r in microbatch.rounds]))
-    for name, value in (
-        ("seq_round", lambda r, s: r),
-        ("seq_trajectory", lambda r, s: s.trajectory),
-        ("seq_start", lambda r, s: s.start),
-        ("seq_end", lambda r, s: s.end),
-        ("seq_replay_start", lambda r, s: s.replay_start),
-    ):
-        _expect(where, name, getattr(layout, name), [value(r, s) for r, s in sequences])
-    spans = layout.seq_end - layout.seq_start
-    _expect(where, "seq_row_start", layout.seq_row_start, offsets_of(spans))
-    if layout.num_rows != microbatch.work:
-        fail(f"{where}: the layout has {layout.num_rows} rows but the microbatch's work is {microbatch.work}")
-    _expect(where, "row_trajectory", layout.row_trajectory, np.repeat(layout.seq_trajectory, spans))
-    _expect(where, "row_position", layout.row_position, concatenated_ranges(layout.seq_start, spans))
 
-    # The map m, through the trie: row r holds the prefix of (row_trajectory[r], row_position[r]).
-    member_prefix = np.concatenate([_trie_rows(module.trie, int(i)) for i in members])
-    member_start = layout.trajectory_offsets[:-1]
-    row_prefix = member_prefix[member_start[np.searchsorted(members, layout.row_trajectory)] + layout.row_position]
-    holders = np.bincount(row_prefix, minlength=module.trie.compact_tokens)
-    if holders.max() > 1:
-        rows = np.flatnonzero(row_prefix == int(np.argmax(holders)))[:2]
-        fail(f"{where}: layout rows {int(rows[0])} and {int(rows[1])} hold the same token prefix")
-    mapped = row_prefix[layout.trajectory_rows]
-    wrong = np.flatnonzero(mapped != member_prefix)
-    if wrong.size:
-        k = int(wrong[0])
-        member = int(np.searchsorted(member_start, k, side="right")) - 1
-        fail(
-            f"{where}: trajectory {int(members[member])}, position {k - int(member_start[member])} maps to layout row "
-            f"{int(layout.trajectory_rows[k])}, which holds another token prefix"
-        )
-    _expect(where, "row_multiplicity", layout.row_multiplicity, np.bincount(layout.trajectory_rows, minlength=layout.num_rows))
-    _expect(where, "ancestor_offsets", layout.ancestor_offsets, offsets_of(layout.seq_start))
-    own_start = member_start[np.searchsorted(members, layout.seq_trajectory)]
-    _expect(where, "ancestor_rows", layout.ancestor_rows, layout.trajectory_rows[concatenated_ranges(own_start, layout.seq_start)])
+def _check_headers(module: Module, layouts: tuple) -> None:
+    for microbatch, layout in zip(module.microbatches, layouts):
+        where = f"microbatch {microbatch.index}"
+        if not isinstance(layout, MicrobatchLayout):
+            fail(f"{where}: expected a MicrobatchLayout, got {type(layout).__name__}")
+        problem = layout.structure_problem()
+        if problem is not None:
+            fail(f"{where}: layout: {problem}")
+        if (layout.microbatch, layout.chunk_size) != (microbatch.index, module.chunk_size):
+            fail(
+                f"{where}: the layout is of microbatch {layout.microbatch} at chunk size {layout.chunk_size}, "
+                f"expected microbatch {microbatch.index} at chunk size {module.chunk_size}"
+            )
+        if layout.num_rows != microbatch.work:
+            fail(f"{where}: the layout has {layout.num_rows} rows but the microbatch's work is {microbatch.work}")
 
-    # Exports and state sources (the IR's own references, encoded as indices).
-    for name, expected in state_handoffs(sequences, module.chunk_size).items():
-        _expect(where, name, getattr(layout, name), expected)
+
+class _Rounds:
+    """The rounded module's sequences and members, flat over all microbatches in layout order."""
+
+    def __init__(self, module: Module):
+        microbatches = module.microbatches
+        self.member_counts = np.array([len(mb.trajectories) for mb in microbatches], dtype=np.int64)
+        self.members = np.fromiter(itertools.chain.from_iterable(mb.trajectories for mb in microbatches), dtype=np.int64,
+                                   count=int(self.member_counts.sum()))
+        lengths = np.array([t.length for t in module.trajectories], dtype=np.int64)
+        self.member_lengths = lengths[self.members]
+        self.round_counts = np.array([len(mb.rounds) for mb in microbatches], dtype=np.int64)
+        self.round_sizes = np.array([len(r.sequences) for mb in microbatches for r in mb.rounds], dtype=np.int64)
+        self.sequence_counts = np.bincount(np.repeat(np.arange(len(microbatches)), self.round_counts),
+                                           weights=self.round_sizes, minlength=len(microbatches)).astype(np.int64)
+        sequences = [(r.index, s) for mb in microbatches for r in mb.rounds for s in r.sequences]
+        self.sequences = sequences
+        count = len(sequences)
+        self.round = np.fromiter((r for r, _ in sequences), dtype=np.int64, count=count)
+        self.trajectory = np.fromiter((s.trajectory for _, s in sequences), dtype=np.int64, count=count)
+        self.start = np.fromiter((s.start for _, s in sequences), dtype=np.int64, count=count)
+        self.end = np.fromiter((s.end for _, s in sequences), dtype=np.int64, count=count)
+        self.replay_start = np.fromiter((s.replay_start for _, s in sequences), dtype=np.int64, count=count)
+        self.spans = self.end - self.start
+
+
+def _wrong_run_entry(values: np.ndarray, starts: np.ndarray, firsts: np.ndarray, step: int) -> tuple[int, int] | None:
+    """The first entry (and the value expected there) where ``values`` is not the runs that begin at ``starts``
+    (ascending, the first at 0) with the values ``firsts`` and go up by ``step`` per entry; None when it is.
+
+    One difference of neighbours, never the expected array itself: these arrays have an entry per layout row
+    or per semantic token."""
+    wrong_first = np.flatnonzero(values[starts] != firsts)
+    broken = np.diff(values) != step
+    broken[starts[1:] - 1] = False
+    wrong_step = np.flatnonzero(broken)
+    candidates = ([int(starts[wrong_first[0]])] if wrong_first.size else []) + ([int(wrong_step[0]) + 1] if wrong_step.size else [])
+    if not candidates:
+        return None
+    entry = min(candidates)
+    run = int(np.searchsorted(starts, entry, side="right")) - 1
+    return entry, int(firsts[run]) + step * (entry - int(starts[run]))
+
+
+def _check_runs(k: int, name: str, values: np.ndarray, starts: np.ndarray, firsts: np.ndarray, step: int) -> None:
+    wrong = _wrong_run_entry(values, starts, firsts, step)
+    if wrong is not None:
+        entry, expected = wrong
+        fail(f"microbatch {k}: layout field {name} differs from the rounds at entry {entry} ({int(values[entry])}, expected {expected})")
+
+
+def _check_sequences(flat: _Flat, rounds: _Rounds) -> None:
+    """The layout's sequences are the rounds', in round order, their rows back to back."""
+    flat.expect("trajectories", rounds.members, offsets_of(rounds.member_counts))
+    flat.expect("trajectory_offsets", *_grouped_offsets(rounds.member_lengths, rounds.member_counts))
+    flat.expect("round_seq_start", *_grouped_offsets(rounds.round_sizes, rounds.round_counts))
+    sequence_bounds = offsets_of(rounds.sequence_counts)
+    for name, values in (("seq_round", rounds.round), ("seq_trajectory", rounds.trajectory), ("seq_start", rounds.start),
+                         ("seq_end", rounds.end), ("seq_replay_start", rounds.replay_start)):
+        flat.expect(name, values, sequence_bounds)
+    flat.expect("seq_row_start", *_grouped_offsets(rounds.spans, rounds.sequence_counts))
+    flat.expect("ancestor_offsets", *_grouped_offsets(rounds.start, rounds.sequence_counts))
+    for k, layout in enumerate(flat.layouts):
+        # sizes agree (the headers), and every sequence has rows (the rounds): each one starts a run
+        starts = layout.seq_row_start[:-1]
+        _check_runs(k, "row_trajectory", layout.row_trajectory, starts, layout.seq_trajectory, 0)
+        _check_runs(k, "row_position", layout.row_position, starts, layout.seq_start, 1)
+
+
+class _Paths:
+    """The members' trie paths, flat: one entry per (member, trie node) pair, members in layout order.
+
+    ``node``: the pair's trie node; ``token``: where its positions start among all members' positions laid
+    end to end; ``bounds``: each microbatch's pairs; ``token_bounds``: each microbatch's positions.
+    """
+
+    def __init__(self, module: Module, rounds: _Rounds):
+        trie = module.trie
+        self.parent, self.start, self.end, self.row = trie.node_arrays()
+        owner, self.node = trie.paths_of(rounds.members, self.parent)
+        self.member_start = offsets_of(rounds.member_lengths)
+        self.token = self.member_start[owner] + self.start[self.node]
+        member_microbatch = np.repeat(np.arange(rounds.member_counts.size), rounds.member_counts)
+        self.bounds = np.searchsorted(member_microbatch[owner], np.arange(rounds.member_counts.size + 1))
+        self.token_bounds = self.member_start[offsets_of(rounds.member_counts)]
+        start_of = np.zeros(len(module.trajectories), dtype=np.int64)
+        start_of[rounds.members] = self.member_start[:-1]
+        #: where each sequence's trajectory starts among the members' positions
+        self.sequence_member_start = start_of[rounds.trajectory]
+
+
+class _Pieces:
+    """Every sequence's rows cut at trie node boundaries: one piece per (sequence, trie node), in row order.
+
+    ``node``; ``row``: the piece's first layout row in its microbatch; ``prefix``: the trie row it holds
+    (rows of a piece hold consecutive trie rows); ``bounds``: each microbatch's pieces.
+    """
+
+    def __init__(self, paths: _Paths, rounds: _Rounds):
+        first = paths.sequence_member_start + rounds.start
+        last = paths.sequence_member_start + rounds.end - 1
+        # pairs ascend in token order: the pair holding a token is the last that starts at or before it
+        first_pair = np.searchsorted(paths.token, first, side="right") - 1
+        last_pair = np.searchsorted(paths.token, last, side="right") - 1
+        per_sequence = last_pair - first_pair + 1
+        pair = concatenated_ranges(first_pair, per_sequence)
+        sequence = np.repeat(np.arange(first.size), per_sequence)
+        self.node = paths.node[pair]
+        low = np.maximum(paths.token[pair], first[sequence])
+        self.prefix = paths.row[self.node] + low - paths.token[pair]
+        local_row_start = _grouped_offsets(rounds.spans, rounds.sequence_counts)[0]
+        sequence_row = np.delete(local_row_start, offsets_of(rounds.sequence_counts + 1)[1:] - 1)
+        self.row = sequence_row[sequence] + low - first[sequence]
+        self.bounds = offsets_of(per_sequence)[offsets_of(rounds.sequence_counts)]
+
+
+def _check_map(flat: _Flat, module: Module, rounds: _Rounds) -> None:
+    """Member i's position p maps to the row holding its prefix up to p; multiplicities count the members
+    through each row; ancestor rows are the trajectory's rows before the sequence's start.
+
+    The rows hold distinct prefixes without a count of their own: the members' C = work distinct prefixes
+    (checked by ``verify_partitioned``) each map to one of the C rows, so no two rows share one. The map is
+    compared run by run, a run being one trie node on one member's path: its rows are the node's rows, which
+    are consecutive layout rows because sequences are chains of whole segments (an invariant of the rounds,
+    checked by ``verify_rounded``).
+    """
+    paths = _Paths(module, rounds)
+    pieces = _Pieces(paths, rounds)
+    first_layout_row = np.full(len(module.trie.nodes), -1, dtype=np.int64)
+    members_through = np.zeros(len(module.trie.nodes), dtype=np.int64)
+    sequence_bounds = offsets_of(rounds.sequence_counts)
+    for k, layout in enumerate(flat.layouts):
+        piece_nodes = pieces.node[pieces.bounds[k]:pieces.bounds[k + 1]]
+        piece_rows = pieces.row[pieces.bounds[k]:pieces.bounds[k + 1]]
+        first_layout_row[piece_nodes] = piece_rows - (pieces.prefix[pieces.bounds[k]:pieces.bounds[k + 1]] - paths.row[piece_nodes])
+        nodes = paths.node[paths.bounds[k]:paths.bounds[k + 1]]
+        tokens = paths.token[paths.bounds[k]:paths.bounds[k + 1]] - paths.token_bounds[k]
+        runs = first_layout_row[nodes]
+        rows = layout.trajectory_rows
+        wrong = _wrong_run_entry(rows, tokens, runs, 1)
+        if wrong is not None:
+            entry = wrong[0]
+            member = int(np.searchsorted(layout.trajectory_offsets, entry, side="right")) - 1
+            fail(
+                f"microbatch {k}: trajectory {int(layout.trajectories[member])}, position "
+                f"{entry - int(layout.trajectory_offsets[member])} maps to layout row {int(rows[entry])}, which holds another token prefix"
+            )
+        np.add.at(members_through, nodes, 1)
+        _check_runs(k, "row_multiplicity", layout.row_multiplicity, piece_rows, members_through[piece_nodes], 0)
+        members_through[nodes] = 0
+        first_layout_row[piece_nodes] = -1  # the next microbatch must not see this one's rows
+        own_start = paths.sequence_member_start[sequence_bounds[k]:sequence_bounds[k + 1]] - paths.token_bounds[k]
+        _check_ancestors(k, layout, own_start)
+
+
+def _check_ancestors(k: int, layout: MicrobatchLayout, own_start: np.ndarray) -> None:
+    """Sequence j's ancestor rows are its trajectory's rows at positions ``[0, start)``: compared slice by
+    slice (ancestor lists are long, often longer than the map m itself, so no index array is built)."""
+    ancestors, rows = layout.ancestor_rows, layout.trajectory_rows
+    offsets = layout.ancestor_offsets.tolist()
+    for sequence, (own, start) in enumerate(zip(own_start.tolist(), layout.seq_start.tolist())):
+        if start and not np.array_equal(ancestors[offsets[sequence]:offsets[sequence + 1]], rows[own:own + start]):
+            wrong = np.flatnonzero(ancestors[offsets[sequence]:offsets[sequence + 1]] != rows[own:own + start])
+            entry = offsets[sequence] + int(wrong[0])
+            fail(f"microbatch {k}: layout field ancestor_rows differs from the rounds at entry {entry} "
+                 f"({int(ancestors[entry])}, expected {int(rows[own + int(wrong[0])])})")
+
+
+def _check_state_handoffs(flat: _Flat, module: Module, rounds: _Rounds) -> None:
+    """Exports and state sources encode the IR's references, numbered within each microbatch."""
+    chunk = module.chunk_size
+    export_counts, positions, sources, exports, state_chunks = [], [], [], [], []
+    export_chunks = []
+    first = 0
+    for count in rounds.sequence_counts.tolist():
+        sequences = rounds.sequences[first:first + count]
+        first += count
+        number_of = {(r, sequence.trajectory): number for number, (r, sequence) in enumerate(sequences)}
+        export_start = list(itertools.accumulate((len(s.exports) for _, s in sequences), initial=0))
+        for _, sequence in sequences:
+            export_counts.append(len(sequence.exports))
+            positions.extend(sequence.exports)
+            export_chunks.extend((p - sequence.replay_start) // chunk for p in sequence.exports)
+            state = sequence.state_from
+            if state is None:
+                sources.append(-1)
+                exports.append(-1)
+                state_chunks.append(-1)
+                continue
+            producer = number_of[(state.round, state.trajectory)]
+            produced = sequences[producer][1]
+            sources.append(producer)
+            exports.append(export_start[producer] + produced.exports.index(state.position))
+            state_chunks.append((state.position - produced.replay_start) // chunk)
+    sequence_bounds = offsets_of(rounds.sequence_counts)
+    export_offsets, export_offset_bounds = _grouped_offsets(np.array(export_counts, dtype=np.int64), rounds.sequence_counts)
+    flat.expect("export_offsets", export_offsets, export_offset_bounds)
+    export_bounds = offsets_of(export_offsets[export_offset_bounds[1:] - 1])  # each microbatch's last offset: its exports
+    flat.expect("export_position", np.array(positions, dtype=np.int64), export_bounds)
+    flat.expect("export_chunk", np.array(export_chunks, dtype=np.int64), export_bounds)
+    flat.expect("seq_state_source", np.array(sources, dtype=np.int64), sequence_bounds)
+    flat.expect("seq_state_export", np.array(exports, dtype=np.int64), sequence_bounds)
+    flat.expect("seq_state_chunk", np.array(state_chunks, dtype=np.int64), sequence_bounds)
 
 
 def verify_laid_out(laid_out: LaidOutModule) -> None:
@@ -115,5 +317,8 @@ def verify_laid_out(laid_out: LaidOutModule) -> None:
     if not isinstance(layouts, tuple) or len(layouts) != len(module.microbatches):
         count = len(layouts) if isinstance(layouts, tuple) else type(layouts).__name__
         fail(f"a laid-out module needs one layout per microbatch: {len(module.microbatches)} microbatches, {count} layouts")
-    for microbatch, layout in zip(module.microbatches, layouts):
-        _verify_layout(module, microbatch, layout)
+    _check_headers(module, layouts)
+    flat, rounds = _Flat(layouts), _Rounds(module)
+    _check_sequences(flat, rounds)
+    _check_map(flat, module, rounds)
+    _check_state_handoffs(flat, module, rounds)

@@ -2,7 +2,7 @@
 
 partitioned: exact coverage, nonempty microbatches with ascending members, indices 0..K-1
 in order, ``work == C(M)`` recomputed from the trie's LCPs, ``work <= capacity``,
-``K mod dp_size == 0``. scheduled adds: every microbatch has a replica in ``0..D-1`` and a
+``K mod dp_size == 0``. scheduled adds (:func:`harts.ir.verify.verify` runs both checks): every microbatch has a replica in ``0..D-1`` and a
 slot in ``0..K/D-1``, every (replica, slot) pair occurs once (so each replica runs K/D
 microbatches), and microbatches are listed by (slot, replica).
 """
@@ -52,7 +52,7 @@ def verify_partitioned(module: Module) -> None:
 
 
 def verify_scheduled(module: Module) -> None:
-    verify_partitioned(module)
+    """The slots (the partitioned invariants are the partitioned phase's own check; ``verify`` runs both)."""
     microbatches = module.microbatches
     dp_size = module.dp_size
     slots = len(microbatches) // dp_size

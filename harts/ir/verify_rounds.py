@@ -137,103 +137,99 @@ def _output_rows(trie: CompactTrie, trajectory: int, start: int, end: int) -> li
     return intervals
 
 
-def _verify_rounds(module: Module, microbatch: Microbatch, prefixes: PrefixIndex) -> None:
-    trie = module.trie
-    chunk = module.chunk_size
-    segments = microbatch.segments
-    where = f"microbatch {microbatch.index}"
+def _check_round_numbering(where: str, module: Module, microbatch: Microbatch) -> dict[tuple[int, int], InputSequence]:
+    """Rounds exist, are numbered 0.. in order, each holds sequences, and one per trajectory: returns the
+    sequences by (round, trajectory), the key a state source names its producer by."""
     if microbatch.rounds is None or microbatch.replay_tokens is None:
         fail(f"{where}: phase {module.phase} needs rounds and replay_tokens")
     if not microbatch.rounds:
         fail(f"{where}: has no rounds")
-    members = set(microbatch.trajectories)
-    children: list[list[int]] = [[] for _ in segments]
-    for segment in segments:
-        if segment.parent >= 0:
-            children[segment.parent].append(segment.id)
-
     by_producer: dict[tuple[int, int], InputSequence] = {}
-    for round_ in microbatch.rounds:
-        for sequence in round_.sequences:
-            key = (round_.index, sequence.trajectory)
-            if key in by_producer:
-                fail(f"{where}, round {round_.index}: two sequences name trajectory {sequence.trajectory}")
-            by_producer[key] = sequence
-
-    executed: dict[int, int] = {}
-    requested: set[tuple[int, int, int]] = set()
-    covered: list[tuple[int, int]] = []
-    replay_total = 0
     for position, round_ in enumerate(microbatch.rounds):
         if round_.index != position:
             fail(f"{where}: round at position {position} has index {round_.index}; rounds are numbered from 0")
         if not round_.sequences:
             fail(f"{where}, round {round_.index}: holds no input sequence")
         for sequence in round_.sequences:
-            here = f"{where}, round {round_.index}, trajectory {sequence.trajectory}"
-            if sequence.trajectory not in members:
-                fail(f"{here}: the trajectory is not a member of the microbatch")
-            length = module.trajectories[sequence.trajectory].length
-            if not 0 <= sequence.replay_start <= sequence.start < sequence.end <= length:
-                fail(
-                    f"{here}: needs 0 <= replay_start {sequence.replay_start} <= start {sequence.start} "
-                    f"< end {sequence.end} <= length {length}"
-                )
-            if sequence.replay_start % chunk:
-                fail(f"{here}: replay_start {sequence.replay_start} is not a multiple of the chunk size {chunk}")
-            if sequence.start - sequence.replay_start >= chunk:
-                fail(f"{here}: replays {sequence.start - sequence.replay_start} rows, must be fewer than the chunk size {chunk}")
-            replay_total += sequence.start - sequence.replay_start
+            key = (round_.index, sequence.trajectory)
+            if key in by_producer:
+                fail(f"{where}, round {round_.index}: two sequences name trajectory {sequence.trajectory}")
+            by_producer[key] = sequence
+    return by_producer
 
-            if not sequence.segments:
-                fail(f"{here}: runs no segments")
-            for segment_id in sequence.segments:
-                if not 0 <= segment_id < len(segments):
-                    fail(f"{here}: segment {segment_id} does not exist")
-                if segment_id in executed:
-                    fail(f"{here}: segment {segment_id} is also run in round {executed[segment_id]}")
-                executed[segment_id] = round_.index
-            chain = [segments[s] for s in sequence.segments]
-            for upper, lower in zip(chain[:-1], chain[1:]):
-                if lower.parent != upper.id:
-                    fail(f"{here}: segment {lower.id} does not continue segment {upper.id}")
-            if children[chain[-1].id]:
-                fail(f"{here}: its last segment {chain[-1].id} is not a leaf segment")
-            if (sequence.start, sequence.end) != (chain[0].start, chain[-1].end):
-                fail(f"{here}: span [{sequence.start}, {sequence.end}) differs from its segments' [{chain[0].start}, {chain[-1].end})")
-            if sequence.trajectory != chain[-1].trajectory:
-                fail(f"{here}: should name the leaf segment's representative trajectory {chain[-1].trajectory}")
 
-            if sequence.state_from is None:
-                if sequence.replay_start != 0:
-                    fail(f"{here}: starts from the zero state but replays from {sequence.replay_start}, not 0")
-            else:
-                source = sequence.state_from
-                if source.position != sequence.replay_start:
-                    fail(f"{here}: state_from position {source.position} differs from replay_start {sequence.replay_start}")
-                if source.round >= round_.index:
-                    fail(
-                        f"{here}: starts from a state of round {source.round}, which is not ready before round {round_.index}"
-                    )
-                producer = by_producer.get((source.round, source.trajectory))
-                if producer is None:
-                    fail(f"{here}: no sequence of trajectory {source.trajectory} runs in round {source.round}")
-                if source.position not in producer.exports:
-                    fail(
-                        f"{here}: state at {source.position} is not exported by trajectory {source.trajectory} "
-                        f"in round {source.round} (exports {list(producer.exports)})"
-                    )
-                shared = prefixes.lcp_trajectories(source.trajectory, sequence.trajectory)
-                if shared < source.position:
-                    fail(
-                        f"{here}: shares only {shared} tokens with trajectory {source.trajectory}, "
-                        f"so its state at {source.position} is another prefix's"
-                    )
-                requested.add((source.round, source.trajectory, source.position))
-            if sequence.start == 0 and sequence.state_from is not None:
-                fail(f"{here}: a root sequence must start from the zero state")
-            covered.extend(_output_rows(trie, sequence.trajectory, sequence.start, sequence.end))
+def _check_span(here: str, module: Module, members: set[int], sequence: InputSequence) -> None:
+    """A member's positions, the replay starting on the chunk grid fewer than B rows before the outputs."""
+    chunk = module.chunk_size
+    if sequence.trajectory not in members:
+        fail(f"{here}: the trajectory is not a member of the microbatch")
+    length = module.trajectories[sequence.trajectory].length
+    if not 0 <= sequence.replay_start <= sequence.start < sequence.end <= length:
+        fail(
+            f"{here}: needs 0 <= replay_start {sequence.replay_start} <= start {sequence.start} "
+            f"< end {sequence.end} <= length {length}"
+        )
+    if sequence.replay_start % chunk:
+        fail(f"{here}: replay_start {sequence.replay_start} is not a multiple of the chunk size {chunk}")
+    if sequence.start - sequence.replay_start >= chunk:
+        fail(f"{here}: replays {sequence.start - sequence.replay_start} rows, must be fewer than the chunk size {chunk}")
 
+
+def _check_chain(here: str, segments, children: list[list[int]], sequence: InputSequence, round_index: int,
+                 executed: dict[int, int]) -> None:
+    """A direct-continuation chain of segments run nowhere else, ending at a leaf, with the chain's span and
+    the leaf's representative trajectory."""
+    if not sequence.segments:
+        fail(f"{here}: runs no segments")
+    for segment_id in sequence.segments:
+        if not 0 <= segment_id < len(segments):
+            fail(f"{here}: segment {segment_id} does not exist")
+        if segment_id in executed:
+            fail(f"{here}: segment {segment_id} is also run in round {executed[segment_id]}")
+        executed[segment_id] = round_index
+    chain = [segments[s] for s in sequence.segments]
+    for upper, lower in zip(chain[:-1], chain[1:]):
+        if lower.parent != upper.id:
+            fail(f"{here}: segment {lower.id} does not continue segment {upper.id}")
+    if children[chain[-1].id]:
+        fail(f"{here}: its last segment {chain[-1].id} is not a leaf segment")
+    if (sequence.start, sequence.end) != (chain[0].start, chain[-1].end):
+        fail(f"{here}: span [{sequence.start}, {sequence.end}) differs from its segments' [{chain[0].start}, {chain[-1].end})")
+    if sequence.trajectory != chain[-1].trajectory:
+        fail(f"{here}: should name the leaf segment's representative trajectory {chain[-1].trajectory}")
+
+
+def _check_state_source(here: str, sequence: InputSequence, round_index: int, by_producer: dict,
+                        prefixes: PrefixIndex) -> tuple[int, int, int] | None:
+    """The zero state (then no replay), or a state an earlier round exports on the same token prefix;
+    returns the export it asks for."""
+    source = sequence.state_from
+    if source is None:
+        if sequence.replay_start != 0:
+            fail(f"{here}: starts from the zero state but replays from {sequence.replay_start}, not 0")
+        return None
+    if sequence.start == 0:
+        fail(f"{here}: a root sequence must start from the zero state")
+    if source.position != sequence.replay_start:
+        fail(f"{here}: state_from position {source.position} differs from replay_start {sequence.replay_start}")
+    if source.round >= round_index:
+        fail(f"{here}: starts from a state of round {source.round}, which is not ready before round {round_index}")
+    producer = by_producer.get((source.round, source.trajectory))
+    if producer is None:
+        fail(f"{here}: no sequence of trajectory {source.trajectory} runs in round {source.round}")
+    if source.position not in producer.exports:
+        fail(
+            f"{here}: state at {source.position} is not exported by trajectory {source.trajectory} "
+            f"in round {source.round} (exports {list(producer.exports)})"
+        )
+    shared = prefixes.lcp_trajectories(source.trajectory, sequence.trajectory)
+    if shared < source.position:
+        fail(f"{here}: shares only {shared} tokens with trajectory {source.trajectory}, so its state at {source.position} is another prefix's")
+    return source.round, source.trajectory, source.position
+
+
+def _check_exports(where: str, microbatch: Microbatch, chunk: int, requested: set[tuple[int, int, int]]) -> None:
+    """Exports ascend on the chunk grid inside the sequence, and some later sequence starts from each."""
     for round_ in microbatch.rounds:
         for sequence in round_.sequences:
             here = f"{where}, round {round_.index}, trajectory {sequence.trajectory}"
@@ -241,35 +237,65 @@ def _verify_rounds(module: Module, microbatch: Microbatch, prefixes: PrefixIndex
                 fail(f"{here}: exports {list(sequence.exports)} must be ascending without repeats")
             for export in sequence.exports:
                 if export % chunk or not sequence.replay_start < export <= sequence.end:
-                    fail(
-                        f"{here}: export {export} must be a multiple of {chunk} in "
-                        f"({sequence.replay_start}, {sequence.end}]"
-                    )
+                    fail(f"{here}: export {export} must be a multiple of {chunk} in ({sequence.replay_start}, {sequence.end}]")
                 if (round_.index, sequence.trajectory, export) not in requested:
                     fail(f"{here}: exports the state at {export} but no later sequence starts from it")
 
-    unexecuted = sorted(set(range(len(segments))) - executed.keys())
+
+def _check_coverage(where: str, trie: CompactTrie, microbatch: Microbatch, executed: dict[int, int],
+                    covered: list[tuple[int, int]]) -> None:
+    """Every segment runs, and every compact row of the microbatch is output exactly once."""
+    unexecuted = sorted(set(range(len(microbatch.segments))) - executed.keys())
     if unexecuted:
         fail(f"{where}: segment {unexecuted[0]} is run by no input sequence")
     expected_rows = sorted(
         (trie.nodes[n].row, trie.nodes[n].row + trie.nodes[n].end - trie.nodes[n].start)
         for n in trie.used_nodes(microbatch.trajectories)
     )
-    covered.sort()
+    covered = sorted(covered)
     cursor = 0
-    merged_expected = _merge(expected_rows)
     for low, high in covered:
         if low < cursor:
             fail(f"{where}: compact row {low} is output more than once")
         cursor = high
-    if _merge(covered) != merged_expected:
+    if _merge(covered) != _merge(expected_rows):
         fail(f"{where}: the outputs do not cover exactly the microbatch's compact rows")
-    expected_replay = mandatory_replay([s.parent for s in segments], [s.end for s in segments], chunk)
-    if replay_total != expected_replay or microbatch.replay_tokens != expected_replay:
-        fail(
-            f"{where}: replay_tokens {microbatch.replay_tokens}, sequences replay {replay_total}, "
-            f"Eq. 15 gives {expected_replay}"
-        )
+
+
+def _check_replay(where: str, microbatch: Microbatch, chunk: int) -> None:
+    """R, the replayed rows, equals Eq. 15 and the recorded ``replay_tokens``."""
+    segments = microbatch.segments
+    replayed = sum(s.start - s.replay_start for round_ in microbatch.rounds for s in round_.sequences)
+    expected = mandatory_replay([s.parent for s in segments], [s.end for s in segments], chunk)
+    if replayed != expected or microbatch.replay_tokens != expected:
+        fail(f"{where}: replay_tokens {microbatch.replay_tokens}, sequences replay {replayed}, Eq. 15 gives {expected}")
+
+
+def _verify_rounds(module: Module, microbatch: Microbatch, prefixes: PrefixIndex) -> None:
+    """One microbatch's rounds, invariant by invariant (each check names what it holds)."""
+    where = f"microbatch {microbatch.index}"
+    segments = microbatch.segments
+    by_producer = _check_round_numbering(where, module, microbatch)
+    members = set(microbatch.trajectories)
+    children: list[list[int]] = [[] for _ in segments]
+    for segment in segments:
+        if segment.parent >= 0:
+            children[segment.parent].append(segment.id)
+    executed: dict[int, int] = {}
+    requested: set[tuple[int, int, int]] = set()
+    covered: list[tuple[int, int]] = []
+    for round_ in microbatch.rounds:
+        for sequence in round_.sequences:
+            here = f"{where}, round {round_.index}, trajectory {sequence.trajectory}"
+            _check_span(here, module, members, sequence)
+            _check_chain(here, segments, children, sequence, round_.index, executed)
+            request = _check_state_source(here, sequence, round_.index, by_producer, prefixes)
+            if request is not None:
+                requested.add(request)
+            covered.extend(_output_rows(module.trie, sequence.trajectory, sequence.start, sequence.end))
+    _check_exports(where, microbatch, module.chunk_size, requested)
+    _check_coverage(where, module.trie, microbatch, executed, covered)
+    _check_replay(where, microbatch, module.chunk_size)
 
 
 def _merge(intervals: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 
 from harts.errors import OutputError
-from harts.fsio import CHECKPOINT, check_output, foreign_entries, replace_directory
+from harts.fsio import OutputKind, check_output, foreign_entries, replace_directory
 from harts.models.hf import (
     ARCHITECTURES,
     HFModelError,
@@ -63,6 +63,10 @@ def _why_not_ours(path: Path) -> str | None:
     if MARKER not in metadata:
         return f"its {WEIGHTS_FILE} was not written by HARTS"
     return None
+
+
+#: Checkpoint targets for the output-ownership rule (:func:`harts.fsio.check_outputs`).
+CHECKPOINT = OutputKind("a checkpoint HARTS wrote", "the checkpoint", True, _why_not_ours)
 
 
 def _differing_fields(a: HybridConfig, b: HybridConfig) -> list[str]:

@@ -510,6 +510,22 @@ def _hf_dtype_of(module: nn.Module) -> torch.dtype:
 
 
 def _from_model(hf_model: nn.Module) -> HybridModel:
+    config, model_type = checked_hf_config(hf_model)
+    device = hf_model.lm_head.weight.device
+    with torch.device(device):
+        model = HybridModel(config)
+    mapped = mapped_hf_state(hf_model, model, model_type)
+    with torch.no_grad():
+        model.load_state_dict(mapped, strict=True)
+    finish_from_hf(model, hf_model, model_type)
+    return model
+
+
+def checked_hf_config(hf_model: nn.Module, **options: Any) -> tuple[HybridConfig, str]:
+    """The HybridConfig of a transformers model instance, after checking its class and modules; and its model_type.
+
+    ``options`` go to :func:`hybrid_config_from_hf` (its dtype is the model's).
+    """
     hf_config = getattr(hf_model, "config", None)
     if hf_config is None:
         raise HFModelError(f"{type(hf_model).__name__} is not a transformers model (it has no .config)")
@@ -521,16 +537,21 @@ def _from_model(hf_model: nn.Module) -> HybridModel:
             f"{type(hf_model).__name__}"
         )
     hf_dtype = _hf_dtype_of(hf_model)
-    config = hybrid_config_from_hf(hf_config, dtype=hf_dtype)
+    config = hybrid_config_from_hf(hf_config, dtype=hf_dtype, **options)
     tied = hf_model.lm_head.weight is hf_model.get_input_embeddings().weight
     if tied != config.tie_word_embeddings:
         config = attrs.evolve(config, tie_word_embeddings=tied)
     _check_modules(hf_model, model_type)
+    return config, model_type
 
-    device = hf_model.lm_head.weight.device
-    with torch.device(device):
-        model = HybridModel(config)
-    hf_state = hf_model.state_dict()
+
+def mapped_hf_state(hf_model: nn.Module, model: HybridModel, model_type: str, *, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+    """HARTS state name -> the transformers tensor of that entry (the Parameter itself with ``keep_vars``).
+
+    Raises :class:`HFModelError` for state HARTS has no counterpart for, state it lacks, or a shape
+    that differs from the one ``model``'s config gives.
+    """
+    hf_state = hf_model.state_dict(keep_vars=keep_vars)
     names = hf_key_map(model, model_type)
     inverse = {hf: ours for ours, hf in names.items()}
     unexpected = []
@@ -560,12 +581,15 @@ def _from_model(hf_model: nn.Module) -> HybridModel:
                 f"{tuple(ours_state[ours].shape)} from its config"
             )
         mapped[ours] = tensor
-    with torch.no_grad():
-        model.load_state_dict(mapped, strict=True)
+    return mapped
+
+
+def finish_from_hf(model: HybridModel, hf_model: nn.Module, model_type: str) -> None:
+    """What a HybridModel made from ``hf_model`` takes over besides weights: padding row, provenance, train mode."""
     model.embed_tokens.padding_idx = hf_model.get_input_embeddings().padding_idx
-    model.hf_source = HFSource(model_type, {key: tensor.dtype for key, tensor in hf_state.items()}, hf_config.to_dict())
+    dtypes = {key: tensor.dtype for key, tensor in hf_model.state_dict().items()}
+    model.hf_source = HFSource(model_type, dtypes, hf_model.config.to_dict())
     model.train(hf_model.training)
-    return model
 
 
 def _check_modules(hf_model: nn.Module, model_type: str) -> None:

@@ -33,7 +33,7 @@ from harts.options import DEFAULT_OPTIONS, CompileOptions
 
 __all__ = ["PASS_NAME", "Pass", "PassContext", "Stage", "option"]
 
-#: What flows through a pipeline: nothing before ``lower``, a Module, or (after ``codegen``) a LaidOutModule.
+#: What flows through a pipeline: nothing before ``lower``, a Module, or (after ``lay-out``) a LaidOutModule.
 Stage = Module | LaidOutModule
 
 PASS_NAME = re.compile(r"[a-z][a-z0-9]*(-[a-z0-9]+)*")

@@ -13,6 +13,7 @@ from harts.errors import PipelineError
 from harts.ir.nodes import Module, Phase, Trajectory
 from harts.options import DEFAULT_OPTIONS, CompileOptions
 from harts.passes.base import Pass, PassContext
+from harts.passes.registry import builtin_pass
 
 
 def lower_batch(batch: RolloutBatch, options: CompileOptions) -> Module:
@@ -41,13 +42,9 @@ def lower(
     return lower_batch(batch, CompileOptions(capacity=capacity, dp_size=dp_size, chunk_size=chunk_size))
 
 
+@builtin_pass("lower")
 @attrs.frozen
 class Lower(Pass):
-    name = "lower"
-    summary = "the batch as IR: trajectories (tree, length), its content hash and the compile options T, D, B"
-    requires = None
-    produces = Phase.LOWERED
-
     def run(self, module: None, ctx: PassContext) -> Module:
         if not isinstance(ctx.batch, RolloutBatch):
             raise PipelineError(f"pass 'lower' needs the rollout batch in the pass context, got {type(ctx.batch).__name__}")

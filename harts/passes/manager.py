@@ -1,4 +1,4 @@
-"""Running a pipeline: the pass contract, verification after every pass, instruments around each one.
+"""Running a pipeline: the pass contract, and instruments around each pass (verification is one of them).
 
 The manager owns the contract of :class:`~harts.passes.base.Pass`: before a pass runs, its
 input must have reached ``requires`` (``lower``, with ``requires=None``, runs first, on no
@@ -27,6 +27,7 @@ from typing import TextIO
 
 from harts.errors import HartsError, IRVerificationError, OutputError, PipelineError
 from harts.fsio import IR_DUMP_STAGE, atomic_write_bytes, check_output, dump_stage_header, prepare_ir_dump
+from harts.ir.layout import LaidOutModule
 from harts.ir.nodes import Phase
 from harts.ir.text import print_ir
 from harts.ir.verify import verify
@@ -129,6 +130,43 @@ class TimePasses(Instrument):
         return "\n".join(lines)
 
 
+class Verify(Instrument):
+    """Verification as an instrument: the pipeline's input, then every pass's output.
+
+    An output is checked against the invariants of its phase and of every phase before it, except the
+    phases whose parts it shares, object for object, with the stage verified before it
+    (:func:`harts.ir.verify.verify`'s ``verified``): a pass's output needs the checks of what the pass
+    added or rebuilt. ``run_pipeline(verify_each=True)`` puts it first, so no other instrument sees an
+    invalid stage.
+    """
+
+    def __init__(self) -> None:
+        self.verified = None
+        self.done: list[str] = []
+
+    def _remember(self, stage: Stage) -> None:
+        self.verified = stage.module if isinstance(stage, LaidOutModule) else stage
+
+    def before_pipeline(self, module: Stage | None) -> None:
+        if module is None:
+            return
+        try:
+            verify(module)
+        except IRVerificationError as error:
+            _locate(error, "the pipeline's input is invalid")
+            raise
+        self._remember(module)
+
+    def after_pass(self, step: Pass, module: Stage, seconds: float) -> None:
+        try:
+            verify(module, verified=self.verified)
+        except IRVerificationError as error:
+            _locate(error, f"the output of pass {step.to_text()!r} is invalid ({_history(self.done)})")
+            raise
+        self.done.append(step.to_text())
+        self._remember(module)
+
+
 def instruments_from_environment(environ: dict[str, str] | None = None) -> list[Instrument]:
     environ = os.environ if environ is None else environ
     instruments: list[Instrument] = []
@@ -163,10 +201,10 @@ def _check_requires(step: Pass, module: Stage | None, done: Sequence[str]) -> No
     elif module is None:
         raise PipelineError(f"pass {step.name!r} needs phase {step.requires}, but the pipeline has no module yet; start it with 'lower'")
     elif module.phase == Phase.LAID_OUT:
-        # codegen's laid-out plan is the end of every pipeline: no pass reads one
+        # lay-out's plan is the end of every pipeline: no pass reads one
         raise PipelineError(
             f"pass {step.name!r} comes after the pipeline already produced the laid-out plan ({_history(done)}); "
-            "'codegen' is the last pass of a pipeline: name it once, at the end"
+            "'lay-out' is the last pass of a pipeline: name it once, at the end"
         )
     elif module.phase < step.requires:
         raise PipelineError(
@@ -183,14 +221,10 @@ def run_pipeline(
     verify_each: bool = True,
     instruments: Sequence[Instrument] = (),
 ) -> Stage:
-    """Run passes in order, enforcing each one's contract; verify the input and every output unless told not to."""
+    """Run passes in order, enforcing each one's contract; verify the input and every output (the
+    :class:`Verify` instrument, first of all) unless told not to."""
     done: list[str] = []
-    if module is not None and verify_each:
-        try:
-            verify(module)
-        except IRVerificationError as error:
-            _locate(error, "the pipeline's input is invalid")
-            raise
+    instruments = [Verify(), *instruments] if verify_each else list(instruments)
     for instrument in instruments:
         instrument.before_pipeline(module)
     for position, step in enumerate(passes):
@@ -210,16 +244,10 @@ def run_pipeline(
         if getattr(result, "phase", None) != step.produces:
             got = f"phase {result.phase}" if hasattr(result, "phase") else type(result).__name__
             raise PipelineError(f"pass {step.name!r} must produce phase {step.produces} but returned {got} ({_history(done)})")
-        if verify_each:
-            try:
-                verify(result)
-            except IRVerificationError as error:
-                _locate(error, f"the output of pass {step.to_text()!r} is invalid ({_history(done)})")
-                raise
         logger.debug("pass %s: %s -> %s in %.4f s", step.name, getattr(module, "phase", "batch"), result.phase, seconds)
-        done.append(step.to_text())
         for instrument in instruments:
             instrument.after_pass(step, result, seconds)
+        done.append(step.to_text())
         module = result
     ctx.report("done", 1.0)
     for instrument in instruments:

@@ -40,6 +40,7 @@ from harts.errors import PlanningError
 from harts.ir.nodes import InputSequence, Microbatch, Module, Phase, Round, StateRef
 from harts.ir.verify_rounds import mandatory_replay  # noqa: F401 - R (Eq. 15) of the forests planned here
 from harts.passes.base import Pass, PassContext
+from harts.passes.registry import builtin_pass
 
 logger = logging.getLogger(__name__)
 
@@ -265,13 +266,9 @@ def round_microbatch(microbatch: Microbatch, chunk_size: int) -> Microbatch:
     return attrs.evolve(microbatch, rounds=rounds, replay_tokens=plan.replay_tokens)
 
 
+@builtin_pass("min-call-rounds")
 @attrs.frozen
 class MinCallRounds(Pass):
-    name = "min-call-rounds"
-    summary = "minimum-call linear-attention rounds per microbatch: direct continuations, replay, state handoffs (Alg. 1)"
-    requires = Phase.SEGMENTED
-    produces = Phase.ROUNDED
-
     def run(self, module: Module, ctx: PassContext) -> Module:
         microbatches = tuple(round_microbatch(microbatch, module.chunk_size) for microbatch in module.microbatches)
         logger.debug(

@@ -1,9 +1,11 @@
 """``partition-microbatches``: choose microbatch membership by J (§3.2, Eq. 4-10).
 
 Builds every candidate (exact DP or sampled-K evolution, trie-aware greedy, refined
-anchors, subtree-exchanged and slot-balanced copies of the best), instantiates each candidate's replica/slot assignment to rank it by J, and emits
-the winner's microbatches. Replica and slot stay unset here; ``schedule-slots`` sets them
-with the same deterministic rule, so the scheduled module has exactly the J that won.
+anchors, subtree-exchanged and slot-balanced copies of the best), ranks each by J under the
+slot rule (:func:`harts.planner.schedule.slot_rule_objective`), and emits the winner's
+microbatches for the module's own T and D (the compile options; the pass never changes them).
+Replica and slot stay unset here: ``schedule-slots`` is the one place that assigns them, by the
+rule J was ranked with, so the scheduled module has exactly the J that won.
 """
 
 from __future__ import annotations
@@ -15,22 +17,15 @@ import attrs
 from harts.ir.nodes import Microbatch, Module, Phase
 from harts.ir.prefix_index import PrefixIndex
 from harts.passes.base import Pass, PassContext, option
-from harts.planner import PlannerOptions, plan
+from harts.passes.registry import builtin_pass
+from harts.planner import PlannerOptions, choose_microbatches
 
 logger = logging.getLogger(__name__)
 
 
+@builtin_pass("partition-microbatches")
 @attrs.frozen
 class PartitionMicrobatches(Pass):
-    name = "partition-microbatches"
-    summary = "candidate microbatch sets (exact DP / sampled-K / trie greedy / refinement / subtree exchange / slot balancing) ranked by J"
-    requires = Phase.COMPRESSED
-    produces = Phase.PARTITIONED
-
-    #: T for this pass; none: the module's (the compile option)
-    capacity: int | None = option(None, kind=int, minimum=1)
-    #: D for this pass; none: the module's
-    dp_size: int | None = option(None, kind=int, minimum=1)
     exact_threshold: int = option(512, minimum=1)
     sample_budget: int = option(32, minimum=1)
     refine: bool = option(True)
@@ -41,14 +36,12 @@ class PartitionMicrobatches(Pass):
     exchange: bool = option(True)
 
     def run(self, module: Module, ctx: PassContext) -> Module:
-        capacity = module.capacity if self.capacity is None else self.capacity
-        dp_size = module.dp_size if self.dp_size is None else self.dp_size
         index = PrefixIndex.from_module(module)
-        result = plan(
+        result = choose_microbatches(
             index,
             PlannerOptions(
-                capacity=capacity,
-                dp_size=dp_size,
+                capacity=module.capacity,
+                dp_size=module.dp_size,
                 exact_threshold=self.exact_threshold,
                 sample_budget=self.sample_budget,
                 refine=self.refine,
@@ -63,4 +56,4 @@ class PartitionMicrobatches(Pass):
             for position, (members, work) in enumerate(zip(result.microbatches, result.works))
         )
         logger.debug("partition-microbatches: %d candidates, chosen %s", len(result.candidates), result.source)
-        return attrs.evolve(module, phase=Phase.PARTITIONED, capacity=capacity, dp_size=dp_size, microbatches=microbatches)
+        return attrs.evolve(module, phase=Phase.PARTITIONED, microbatches=microbatches)

@@ -13,6 +13,7 @@ import numpy as np
 from harts.errors import PipelineError
 from harts.ir.nodes import CompactTrie, Module, Phase, TrieNode
 from harts.passes.base import Pass, PassContext
+from harts.passes.registry import builtin_pass
 
 
 def sorted_order_and_lcp(tokens: tuple[np.ndarray, ...]) -> tuple[list[int], list[int]]:
@@ -77,13 +78,9 @@ def build_compact_trie(tokens: tuple[np.ndarray, ...]) -> CompactTrie:
     return CompactTrie(nodes=tuple(nodes), leaf=tuple(leaf), order=tuple(order), lcp=tuple(lcp), compact_tokens=row)
 
 
+@builtin_pass("prefix-compress")
 @attrs.frozen
 class PrefixCompress(Pass):
-    name = "prefix-compress"
-    summary = "compact trie over the batch: map m, multiplicities q, lexicographic order and LCPs"
-    requires = Phase.LOWERED
-    produces = Phase.COMPRESSED
-
     def run(self, module: Module, ctx: PassContext) -> Module:
         batch = ctx.batch
         if batch is None or batch.input_hash() != module.input_hash:

@@ -1,10 +1,16 @@
-"""The pass registry: pass names to pass classes, filled lazily.
+"""The pass registry: one row per pass, the pipeline's table of contents.
 
-The built-in passes are a table of names and the modules that define them; a module is
-imported the first time its pass is looked up, so importing :mod:`harts.passes` imports no
-pass (and no planner). Other passes join with :func:`register_pass` (for the process) or
-:meth:`PassRegistry.registered` (for a ``with`` block: tests use it, so that no test pass
-outlives its test).
+:data:`BUILTIN_PASSES` is the only list of the built-in passes: one :class:`PassRow` each (name,
+the phase it requires and the phase it produces, the verifier of that phase, a one-line purpose
+and where it is defined), in pipeline order. Everything else derives from it: the default
+pipeline (:data:`harts.compiler.DEFAULT_PIPELINE`), the verifier table of
+:func:`harts.ir.verify.verify`, the ``harts passes`` listing, and each built-in pass class's
+``name`` / ``requires`` / ``produces`` / ``summary`` (set by :func:`builtin_pass`).
+
+A pass module is imported the first time its pass is looked up, so importing
+:mod:`harts.passes` imports no pass (and no planner). Other passes join with
+:func:`register_pass` (for the process) or :meth:`PassRegistry.registered` (for a ``with``
+block: tests use it, so that no test pass outlives its test).
 """
 
 from __future__ import annotations
@@ -12,42 +18,110 @@ from __future__ import annotations
 import contextlib
 import importlib
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
 
 from harts.errors import PipelineError
+from harts.ir.nodes import Phase
 from harts.passes.base import PASS_NAME, Pass
 
-__all__ = ["BUILTIN_PASSES", "PASS_REGISTRY", "PassRegistry", "parse_pipeline", "pipeline_to_text", "register_pass"]
+__all__ = [
+    "BUILTIN_PASSES", "PASS_REGISTRY", "PassRegistry", "PassRow", "builtin_pass", "parse_pipeline", "pipeline_to_text",
+    "register_pass", "row_of",
+]
 
-#: Where each built-in pass is defined, in pipeline order (``module:class``).
-BUILTIN_PASSES: dict[str, str] = {
-    "lower": "harts.passes.lower:Lower",
-    "prefix-compress": "harts.passes.prefix_compress:PrefixCompress",
-    "partition-microbatches": "harts.passes.partition_microbatches:PartitionMicrobatches",
-    "schedule-slots": "harts.passes.schedule_slots:ScheduleSlots",
-    "segment": "harts.passes.segment:SegmentPass",
-    "min-call-rounds": "harts.passes.min_call_rounds:MinCallRounds",
-    "codegen": "harts.passes.codegen:Codegen",
-}
+
+def load(location: str) -> Any:
+    """The object a ``module:name`` location names, importing its module."""
+    module_name, _, attribute = location.partition(":")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+@attrs.frozen
+class PassRow:
+    """One pass: its ``name``; the phase its input must have reached (``requires``, None: it starts from the
+    batch) and the phase it produces; the ``verifier`` (``module:function``) of the invariants that phase adds
+    (``harts.ir.verify`` runs the verifiers of every phase up to a module's own); a one-line ``purpose``, which
+    also says why the pass sits where it does; and where the pass class is defined (``module:class``)."""
+
+    name: str
+    requires: Phase | None
+    produces: Phase
+    verifier: str | None
+    purpose: str
+    location: str | None = None
+
+
+#: The built-in passes, in pipeline order: the default pipeline runs every one of them.
+BUILTIN_PASSES: dict[str, PassRow] = {row.name: row for row in (
+    PassRow("lower", None, Phase.LOWERED, "harts.ir.verify:verify_lowered",
+            "the batch enters as IR: trajectories, input hash and the targets T, D, B every pass plans for",
+            "harts.passes.lower:Lower"),
+    PassRow("prefix-compress", Phase.LOWERED, Phase.COMPRESSED, "harts.ir.verify:verify_compressed",
+            "the compact trie comes first: all later work is counted in compact rows (§3.1, Eq. 5-6)",
+            "harts.passes.prefix_compress:PrefixCompress"),
+    PassRow("partition-microbatches", Phase.COMPRESSED, Phase.PARTITIONED, "harts.ir.verify_plan:verify_partitioned",
+            "microbatch membership ranked by J, which needs the trie's LCP work; replica and slot stay unset (§3.2, Eq. 4, 7-10)",
+            "harts.passes.partition_microbatches:PartitionMicrobatches"),
+    PassRow("schedule-slots", Phase.PARTITIONED, Phase.SCHEDULED, "harts.ir.verify_plan:verify_scheduled",
+            "replica x slot of the chosen microbatches, by the rule J was ranked with: the only place slots are assigned (§3.2)",
+            "harts.passes.schedule_slots:ScheduleSlots"),
+    PassRow("segment", Phase.SCHEDULED, Phase.SEGMENTED, "harts.ir.verify_rounds:verify_segmented",
+            "segment forests need final membership, and the scheduled phase beneath them (§3.3)",
+            "harts.passes.segment:SegmentPass"),
+    PassRow("min-call-rounds", Phase.SEGMENTED, Phase.ROUNDED, "harts.ir.verify_rounds:verify_rounded",
+            "rounds, replay and state hand-offs over each microbatch's segment forest (Alg. 1)",
+            "harts.passes.min_call_rounds:MinCallRounds"),
+    PassRow("lay-out", Phase.ROUNDED, Phase.LAID_OUT, "harts.ir.verify_layout:verify_laid_out",
+            "last: each microbatch's compact layout (rows, map m, replay and ancestor rows, state hand-offs) freezes "
+            "everything above into what the runtime executes (§4.2)",
+            "harts.passes.lay_out:LayOut"),
+)}
+
+
+def builtin_pass(name: str) -> Callable[[type[Pass]], type[Pass]]:
+    """Class decorator of a built-in pass: its name, phases and summary come from its row of :data:`BUILTIN_PASSES`."""
+    row = BUILTIN_PASSES[name]
+
+    def decorate(cls: type[Pass]) -> type[Pass]:
+        cls.name, cls.requires, cls.produces, cls.summary = row.name, row.requires, row.produces, row.purpose
+        return cls
+
+    return decorate
+
+
+def row_of(cls: type[Pass]) -> PassRow:
+    """The registry row of a pass class: a built-in's own row, or one read from the class of a registered pass
+    (its verifier is that of the built-in pass producing the same phase)."""
+    row = BUILTIN_PASSES.get(cls.name)
+    if row is not None and row.location is not None and load(row.location) is cls:
+        return row
+    same_phase = next((r.verifier for r in BUILTIN_PASSES.values() if r.produces == cls.produces), None)
+    return PassRow(cls.name, cls.requires, cls.produces, same_phase, cls.summary, f"{cls.__module__}:{cls.__qualname__}")
 
 
 class PassRegistry(Mapping[str, type[Pass]]):
     """A read-only mapping from pass names to classes, loading built-in passes on first use."""
 
-    def __init__(self, builtin: Mapping[str, str]):
-        self._locations = dict(builtin)
+    def __init__(self, builtin: Mapping[str, PassRow]):
+        self._locations = {name: row.location for name, row in builtin.items()}
         self._classes: dict[str, type[Pass]] = {}
 
     def __getitem__(self, name: str) -> type[Pass]:
         cls = self._classes.get(name)
         if cls is None:
             location = self._locations[name]
-            module_name, _, class_name = location.partition(":")
-            cls = getattr(importlib.import_module(module_name), class_name)
+            cls = load(location)
             if cls.name != name:
                 raise PipelineError(f"{location} defines pass {cls.name!r}, not {name!r}")
             self._classes[name] = cls
         return cls
+
+    def rows(self) -> list[PassRow]:
+        """Every registered pass's row, built-in passes first in pipeline order (``harts passes`` lists them)."""
+        return [row_of(self[name]) for name in self]
 
     def __contains__(self, name: object) -> bool:
         return name in self._locations or name in self._classes

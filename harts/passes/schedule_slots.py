@@ -14,16 +14,13 @@ import numpy as np
 from harts.errors import PlanningError
 from harts.ir.nodes import Module, Phase
 from harts.passes.base import Pass, PassContext
+from harts.passes.registry import builtin_pass
 from harts.planner import assign_slots
 
 
+@builtin_pass("schedule-slots")
 @attrs.frozen
 class ScheduleSlots(Pass):
-    name = "schedule-slots"
-    summary = "DP replica x microbatch slot assignment (heaviest first, to the least-loaded replica)"
-    requires = Phase.PARTITIONED
-    produces = Phase.SCHEDULED
-
     def run(self, module: Module, ctx: PassContext) -> Module:
         microbatches = module.microbatches
         if len(microbatches) % module.dp_size:

@@ -25,6 +25,7 @@ import attrs
 from harts.errors import PlanningError
 from harts.ir.nodes import CompactTrie, Microbatch, Module, Phase, Segment
 from harts.passes.base import Pass, PassContext
+from harts.passes.registry import builtin_pass
 
 logger = logging.getLogger(__name__)
 
@@ -86,15 +87,12 @@ def segment_microbatch(trie: CompactTrie, microbatch: Microbatch) -> Microbatch:
     return attrs.evolve(microbatch, segments=segments, rounds=None, replay_tokens=None)
 
 
+@builtin_pass("segment")
 @attrs.frozen
 class SegmentPass(Pass):
-    name = "segment"
-    summary = "per-microbatch segment forest: maximal fork-free paths of the microbatch's sub-trie"
     # Segmenting reads only membership and the trie, but phases form a chain: a ``segmented``
     # module is also ``scheduled`` (verify checks replica and slot), and the runtime runs
     # microbatches in slot order, so the replica x slot assignment has to exist already.
-    requires = Phase.SCHEDULED
-    produces = Phase.SEGMENTED
 
     def run(self, module: Module, ctx: PassContext) -> Module:
         for microbatch in module.microbatches:

@@ -61,7 +61,7 @@ import numpy as np
 from harts.planner.exchange import Layout, around, nearest_runs, sharing_receivers, subtree_runs
 from harts.planner.budget import WorkBudget, unlimited
 from harts.planner.ranks import RankSpace
-from harts.planner.schedule import assign_slots, objective_of, slot_critical_after
+from harts.planner.schedule import slot_rule_objective, slot_sums_after
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +78,7 @@ def _first_ranks(labels: np.ndarray, count: int) -> np.ndarray:
 
 def _objective(works: np.ndarray, labels: np.ndarray, dp_size: int) -> tuple[int, int, int]:
     # the smallest rank orders groups exactly like canonical ids, the tie key search.py uses
-    replica, slot = assign_slots(works, _first_ranks(labels, len(works)), dp_size)
-    return objective_of(works, replica, slot)
+    return slot_rule_objective(works, _first_ranks(labels, len(works)), dp_size)
 
 
 def _slot_extremes(works: np.ndarray, dp_size: int) -> tuple[int, int]:
@@ -291,8 +290,7 @@ def balance_slots(space: RankSpace, capacity: int, labels: np.ndarray, dp_size: 
             break
         u, v, a, b, c, d, new_u, new_v = found
         change = new_u + new_v - works[u] - works[v]
-        after = slot_critical_after(works, dp_size, u, new_u, v, new_v)
-        after_low = slot_critical_after(works, dp_size, u, new_u, v, new_v, rank_in_slot=dp_size - 1)
+        after, after_low = slot_sums_after(works, dp_size, u, new_u, v, new_v, (0, dp_size - 1))
         excess = dp_size * critical - total
         free = round_index < free_rounds
         better = (change < 0) | (after < critical) | ((change == 0) & (after == critical) & (after_low > low))

@@ -199,14 +199,7 @@ def _place_group_pairs(space: RankSpace, capacity: int, lanes: list[tuple[np.nda
     tables of the ordered lanes are rebuilt from the labels at the end.
     """
     n = space.size
-    kinds = []
-    for order, _ in lanes:
-        if np.array_equal(order, np.arange(n)):
-            kinds.append(0)  # ascending
-        elif np.array_equal(order, np.arange(n)[::-1]):
-            kinds.append(1)  # descending
-        else:
-            kinds.append(2)
+    kinds = _lane_kinds(lanes, n)
     internal = sorted(range(len(lanes)), key=lambda lane: kinds[lane] == 2)  # ordered lanes first, stable
     count = len(lanes)
     ordered = sum(kind < 2 for kind in kinds)
@@ -281,7 +274,20 @@ def _place_group_pairs(space: RankSpace, capacity: int, lanes: list[tuple[np.nda
                 row[rank + 1 : high + 1, 0] = rank
                 row[max(low, 0) : rank, 1] = rank
             labels[lane, rank] = column
-    packings: list[Packing | None] = [None] * count
+    return _pair_packings(space, capacity, internal, ordered, columns, table, work, used, labels, dtype)
+
+
+def _lane_kinds(lanes: list[tuple[np.ndarray, str]], n: int) -> list[int]:
+    """Each lane's order: 0 ascending ranks, 1 descending, 2 any other."""
+    ascending = np.arange(n)
+    return [0 if np.array_equal(order, ascending) else 1 if np.array_equal(order, ascending[::-1]) else 2 for order, _ in lanes]
+
+
+def _pair_packings(space: RankSpace, capacity: int, internal: list[int], ordered: int, columns: int, table: np.ndarray,
+                   work: np.ndarray, used: list[int], labels: np.ndarray, dtype) -> list[Packing]:
+    """The packings of :func:`_place_group_pairs`' lanes, in the callers' lane order (``internal`` maps back); the
+    ordered lanes' neighbour tables are rebuilt from their labels."""
+    packings: list[Packing | None] = [None] * len(internal)
     for position, lane in enumerate(internal):
         if position < ordered:
             # room for a few more microbatches (DP alignment opens some) before the tables grow

@@ -41,6 +41,12 @@ def assign_slots(works: Sequence[int], keys: Sequence[int], dp_size: int) -> tup
     return replica, slot
 
 
+def slot_rule_objective(works: Sequence[int], keys: Sequence[int], dp_size: int) -> tuple[int, int, int]:
+    """J (Eq. 4) of microbatches of these works under the slot rule (:func:`assign_slots`): what the
+    planner ranks candidates by, without keeping an assignment (``schedule-slots`` makes the one kept)."""
+    return objective_of(works, *assign_slots(works, keys, dp_size))
+
+
 def objective_of(works: Sequence[int], replica: Sequence[int], slot: Sequence[int]) -> tuple[int, int, int]:
     """J (Eq. 4): total work, sum over slots of the heaviest microbatch, heaviest replica total."""
     works = np.asarray(works, dtype=np.int64)
@@ -66,6 +72,13 @@ def slot_critical_after(works: Sequence[int], dp_size: int, first: np.ndarray, f
     prefix sums of the sorted works. ``rank_in_slot = r`` sums the r-th heaviest work of every
     slot instead (positions r, D + r, ...; ``D - 1`` gives the sum of the slot minima).
     """
+    return slot_sums_after(works, dp_size, first, first_new, second, second_new, (rank_in_slot,))[0]
+
+
+def slot_sums_after(works: Sequence[int], dp_size: int, first: np.ndarray, first_new: np.ndarray,
+                    second: np.ndarray, second_new: np.ndarray, ranks_in_slot: Sequence[int]) -> list[np.ndarray]:
+    """:func:`slot_critical_after` for several ``rank_in_slot`` at once (slot balancing asks for the slot
+    maxima and minima of the same changes): the sort, the shift steps and the prefix sums are shared."""
     works = np.asarray(works, dtype=np.int64)
     first, second = np.asarray(first, dtype=np.int64), np.asarray(second, dtype=np.int64)
     first_new, second_new = np.asarray(first_new, dtype=np.int64), np.asarray(second_new, dtype=np.int64)
@@ -89,17 +102,20 @@ def slot_critical_after(works: Sequence[int], dp_size: int, first: np.ndarray, f
     rows = events.shape[0]
     bounds = np.concatenate([np.zeros((rows, 1), dtype=np.int64), events, np.full((rows, 1), count)], axis=1)
     shift = np.concatenate([np.zeros((rows, 1), dtype=np.int64), np.cumsum(steps[sort], axis=1)], axis=1)
-    # a kept work at sorted position j lands at j + shift and counts when that is rank_in_slot modulo D
-    residue = (rank_in_slot - shift) % dp_size
-    total = (flat[residue * (count + 1) + bounds[:, 1:]] - flat[residue * (count + 1) + bounds[:, :-1]]).sum(axis=1)
-    for removed in (p1, p2):  # the segment sums above include the two removed works: take them out
-        moved = (t1 <= removed).astype(np.int64) + (t2 <= removed) - (p1 < removed) - (p2 < removed)
-        total -= np.where((removed + moved) % dp_size == rank_in_slot, values[removed], 0)
+    moved = [(t1 <= removed).astype(np.int64) + (t2 <= removed) - (p1 < removed) - (p2 < removed) for removed in (p1, p2)]
     second_ahead = (t2 < t1) | ((t2 == t1) & (second_new > first_new))
     index_first = t1 - (p1 < t1) - (p2 < t1) + second_ahead
     index_second = t2 - (p1 < t2) - (p2 < t2) + ~second_ahead
-    return (total + np.where(index_first % dp_size == rank_in_slot, first_new, 0)
-            + np.where(index_second % dp_size == rank_in_slot, second_new, 0))
+    sums = []
+    for rank_in_slot in ranks_in_slot:
+        # a kept work at sorted position j lands at j + shift and counts when that is rank_in_slot modulo D
+        residue = (rank_in_slot - shift) % dp_size
+        total = (flat[residue * (count + 1) + bounds[:, 1:]] - flat[residue * (count + 1) + bounds[:, :-1]]).sum(axis=1)
+        for removed, shifted in zip((p1, p2), moved):  # the segment sums above include the two removed works
+            total -= np.where((removed + shifted) % dp_size == rank_in_slot, values[removed], 0)
+        sums.append(total + np.where(index_first % dp_size == rank_in_slot, first_new, 0)
+                    + np.where(index_second % dp_size == rank_in_slot, second_new, 0))
+    return sums
 
 
 def objective(microbatches: Iterable) -> tuple[int, int, int]:

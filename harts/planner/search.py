@@ -27,7 +27,8 @@ Refinement (``refine=True``) adds refined copies without removing anything: for 
 inputs only the greedy candidates are refined; for large inputs also up to three base
 anchors (the base plan at the greedy K, the lowest-work base plan, the base plan whose K
 is closest to the greedy K). Contiguous candidates get boundary refinement first; all
-get sparse repair. Every candidate is then assigned to replicas and slots.
+get sparse repair. Every candidate is then ranked by J under the slot rule (the assignment itself is
+for ``schedule-slots`` to make, the one place replicas and slots are set).
 
 Two further steps go beyond the paper and also only add candidates. With ``exchange=True``
 (and ``extended``) the ``exchange_candidates`` best candidates by J get subtree exchange
@@ -60,11 +61,11 @@ from harts.ir.prefix_index import PrefixIndex
 from harts.planner import balance, contiguous, exchange, greedy, repair
 from harts.planner.budget import WorkBudget
 from harts.planner.ranks import RankSpace
-from harts.planner.schedule import assign_slots, objective_of
+from harts.planner.schedule import slot_rule_objective
 
 logger = logging.getLogger(__name__)
 
-#: the stages beyond the paper, each with its own work budget (:mod:`harts.planner.budget`)
+#: the work budgets of the stages beyond the paper (:mod:`harts.planner.budget`); :data:`STAGES` says which stage draws on each
 EXTENSION_STAGES = ("recut", "pieces", "exchange", "balance")
 
 
@@ -117,13 +118,12 @@ class PlannerOptions:
 
 @attrs.frozen(eq=False)
 class Candidate:
-    """One fully instantiated plan: membership, works, replica/slot assignment and J."""
+    """One candidate plan: membership, works and J under the slot rule (the assignment itself is
+    ``schedule-slots``' to make, the one place replicas and slots are assigned)."""
 
     source: str
     labels: np.ndarray
     works: np.ndarray
-    replica: np.ndarray
-    slot: np.ndarray
     objective: tuple[int, int, int]
 
     @property
@@ -136,13 +136,12 @@ class PlanResult:
     """The chosen plan in batch indices, with every candidate's summary for reporting.
 
     ``microbatches[i]`` are the ascending batch indices of microbatch ``i``; microbatches
-    are ordered by their lexicographically smallest member.
+    are ordered by their lexicographically smallest member. ``objective`` is J under the slot
+    rule that ``schedule-slots`` applies to them.
     """
 
     microbatches: tuple[tuple[int, ...], ...]
     works: tuple[int, ...]
-    replicas: tuple[int, ...]
-    slots: tuple[int, ...]
     objective: tuple[int, int, int]
     source: str
     lower_bound: int
@@ -160,8 +159,7 @@ def _instantiate(space: RankSpace, labels: np.ndarray, dp_size: int, source: str
     count = int(labels.max()) + 1
     works = space.group_works(labels, count)
     # canonical ids already follow each microbatch's smallest rank: a content-only tie key
-    replica, slot = assign_slots(works, np.arange(count), dp_size)
-    return Candidate(source, labels, works, replica, slot, objective_of(works, replica, slot))
+    return Candidate(source, labels, works, slot_rule_objective(works, np.arange(count), dp_size))
 
 
 def select_best(candidates: list[Candidate]) -> Candidate:
@@ -170,7 +168,7 @@ def select_best(candidates: list[Candidate]) -> Candidate:
 
 
 def instantiate(index: PrefixIndex, labels, dp_size: int, source: str = "given") -> Candidate:
-    """A candidate from microbatch labels by rank: canonical ids, works, assignment and J."""
+    """A candidate from microbatch labels by rank: canonical ids, works and J."""
     return _instantiate(RankSpace(index), np.asarray(labels, dtype=np.int64), dp_size, source)
 
 
@@ -191,15 +189,45 @@ def check_plannable(index: PrefixIndex, capacity: int, dp_size: int) -> None:
         )
 
 
-def plan(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
-    """Generate, refine, instantiate and select candidates; see the module docstring."""
+@attrs.define
+class _Search:
+    """What the stages of one search share: the inputs, what each stage generated, and the budgets."""
+
+    space: RankSpace
+    options: PlannerOptions
+    lower_bound: int
+    natural: list
+    k_values: list[int]
+    budgets: dict[str, WorkBudget]
+    exact: bool
+    base: list[tuple[str, np.ndarray]] = attrs.field(factory=list)
+    greedy_choice: object = None
+    piece_choices: list = attrs.field(factory=list)
+    generated: list[tuple[str, np.ndarray]] = attrs.field(factory=list)
+    candidates: list[Candidate] = attrs.field(factory=list)
+    seen: set[bytes] = attrs.field(factory=set)
+
+    @property
+    def size(self) -> int:
+        return self.space.size
+
+    def add_if_better(self, labels: np.ndarray, source: str, than: Candidate) -> None:
+        """Add the candidate of ``labels`` when its J is strictly below ``than``'s and it is new."""
+        candidate = _instantiate(self.space, labels, self.options.dp_size, source)
+        if candidate.objective < than.objective and candidate.labels.tobytes() not in self.seen:
+            self.seen.add(candidate.labels.tobytes())
+            self.candidates.append(candidate)
+
+    def best_first(self) -> list[Candidate]:
+        ranked = sorted(enumerate(self.candidates), key=lambda item: (item[1].objective, item[1].count, item[0]))
+        return [candidate for _, candidate in ranked]
+
+
+def _start(index: PrefixIndex, options: PlannerOptions) -> _Search:
     capacity, dp_size = options.capacity, options.dp_size
     if capacity < 1 or dp_size < 1:
         raise PlanningError(f"capacity ({capacity}) and dp_size ({dp_size}) must be positive")
     check_plannable(index, capacity, dp_size)
-    clock = time.perf_counter
-    seconds: dict[str, float] = {}
-    started = clock()
     space = RankSpace(index)
     n = space.size
     lower_bound = space.interval_work(0, n - 1)
@@ -210,141 +238,168 @@ def plan(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
             f"no DP-compatible plan: the batch needs at least {k_values[0]} microbatches ({lower_bound} compact tokens at "
             f"capacity {capacity}, rounded up to a multiple of dp_size {dp_size}) but has only {n} trajectories"
         )
-    seconds["prepare"] = clock() - started
-
     budgets = {stage: WorkBudget(limit=getattr(options, f"{stage}_work") * n) for stage in EXTENSION_STAGES}
-    started = clock()
-    base: list[tuple[str, np.ndarray]] = []
-    exact = n <= options.exact_threshold
-    if exact:
-        for k, starts in sorted(contiguous.exact_partitions(space, capacity, k_values).items()):
-            base.append((f"exact/K={k}", contiguous.labels_from_starts(starts, n)))
-    else:
-        sampled = contiguous.sampled_k_values(k_values, options.sample_budget)
-        chains = [("fallback", "sampled") if options.extended else ("never", "sampled")]
-        # the re-cut chain scans every adjacent pair and window once per merge (plain Python)
-        recut_cost = 2 * len(natural) * max(0, len(natural) - min(sampled))
-        if options.extended and recut_cost <= budgets["recut"].limit:
-            chains.append(("always", "sampled-recut"))
-            budgets["recut"].charge_round(recut_cost)
-        for recut, tag in chains:
-            for k, starts in sorted(contiguous.evolve_partitions(space, capacity, natural, sampled, recut).items()):
-                if not (recut == "always" and k >= len(natural)):  # splits do not depend on the merge rule
-                    base.append((f"{tag}/K={k}", contiguous.labels_from_starts(starts, n)))
-    seconds["base"] = clock() - started
+    return _Search(space, options, lower_bound, natural, k_values, budgets, exact=n <= options.exact_threshold)
 
-    started = clock()
-    greedy_choice = None
-    if options.greedy:
-        greedy_choice = greedy.preselect(greedy.greedy_plans(space, capacity, dp_size))
-    seconds["greedy"] = clock() - started
 
-    started = clock()
-    piece_choices = []
-    if options.greedy and options.extended:
-        # each policy evaluates every piece against at least this many open microbatches; a placement that
-        # would overrun the budget is not started
-        columns = max(1, -(-lower_bound // capacity))
-        pieces = budgets["pieces"]
-        if 2 * len(natural) * columns <= pieces.limit:
-            piece_choices.append(greedy.preselect(greedy.piece_plans(space, capacity, dp_size, natural)))
-            pieces.charge_round(2 * len(natural) * columns)
-        units = contiguous.unit_partition(space, capacity)
-        # units refine the natural partition: equal counts give equal partitions; single-trajectory units repeat
-        # the trajectory greedy
-        cost = 2 * len(units) * columns
-        if len(natural) < len(units) < n and pieces.used + cost <= pieces.limit:
-            piece_choices.append(greedy.preselect(greedy.piece_plans(space, capacity, dp_size, units, "units")))
-            pieces.charge_round(cost)
-    seconds["pieces"] = clock() - started
+def _base_stage(search: _Search) -> None:
+    """The paper's contiguous candidates: the exact DP for every K, or evolved natural partitions for sampled K."""
+    space, options, natural, n = search.space, search.options, search.natural, search.size
+    if search.exact:
+        for k, starts in sorted(contiguous.exact_partitions(space, options.capacity, search.k_values).items()):
+            search.base.append((f"exact/K={k}", contiguous.labels_from_starts(starts, n)))
+        return
+    sampled = contiguous.sampled_k_values(search.k_values, options.sample_budget)
+    chains = [("fallback", "sampled") if options.extended else ("never", "sampled")]
+    # the re-cut chain scans every adjacent pair and window once per merge (plain Python)
+    recut_cost = 2 * len(natural) * max(0, len(natural) - min(sampled))
+    if options.extended and recut_cost <= search.budgets["recut"].limit:
+        chains.append(("always", "sampled-recut"))
+        search.budgets["recut"].charge_round(recut_cost)
+    for recut, tag in chains:
+        for k, starts in sorted(contiguous.evolve_partitions(space, options.capacity, natural, sampled, recut).items()):
+            if not (recut == "always" and k >= len(natural)):  # splits do not depend on the merge rule
+                search.base.append((f"{tag}/K={k}", contiguous.labels_from_starts(starts, n)))
 
-    generated: list[tuple[str, np.ndarray]] = list(base)
-    extra = [choice for choice in (greedy_choice, *piece_choices) if choice is not None]
-    generated.extend((choice.source, choice.labels) for choice in extra)
 
-    started = clock()
-    if options.refine:
-        to_refine: list[tuple[str, np.ndarray]] = []
-        if not exact and base:
-            to_refine.extend(_anchors(space, base, greedy_choice, options.refine_anchors))
-        to_refine.extend((choice.source, choice.labels) for choice in extra)
-        for source, labels in to_refine:
-            refined = _refine(space, capacity, labels, options)
-            if not np.array_equal(refined, greedy.canonical_labels(labels)):
-                generated.append((f"{source}+refined", refined))
-    seconds["refine"] = clock() - started
+def _greedy_stage(search: _Search) -> None:
+    if search.options.greedy:
+        search.greedy_choice = greedy.preselect(greedy.greedy_plans(search.space, search.options.capacity, search.options.dp_size))
 
-    started = clock()
-    candidates: list[Candidate] = []
-    seen: set[bytes] = set()
-    for source, labels in generated:
+
+def _pieces_stage(search: _Search) -> None:
+    """The piece greedies over natural-partition intervals and over whole-tree units (beyond the paper)."""
+    options, space, natural = search.options, search.space, search.natural
+    if not (options.greedy and options.extended):
+        return
+    capacity, dp_size = options.capacity, options.dp_size
+    # each policy evaluates every piece against at least this many open microbatches; a placement that
+    # would overrun the budget is not started
+    columns = max(1, -(-search.lower_bound // capacity))
+    pieces = search.budgets["pieces"]
+    if 2 * len(natural) * columns <= pieces.limit:
+        search.piece_choices.append(greedy.preselect(greedy.piece_plans(space, capacity, dp_size, natural)))
+        pieces.charge_round(2 * len(natural) * columns)
+    units = contiguous.unit_partition(space, capacity)
+    # units refine the natural partition: equal counts give equal partitions; single-trajectory units repeat
+    # the trajectory greedy
+    cost = 2 * len(units) * columns
+    if len(natural) < len(units) < search.size and pieces.used + cost <= pieces.limit:
+        search.piece_choices.append(greedy.preselect(greedy.piece_plans(space, capacity, dp_size, units, "units")))
+        pieces.charge_round(cost)
+
+
+def _refine_stage(search: _Search) -> None:
+    """Everything generated so far, and refined copies (boundary refinement, sparse repair) of the greedy
+    candidates and, for large inputs, of up to ``refine_anchors`` base anchors."""
+    extra = [choice for choice in (search.greedy_choice, *search.piece_choices) if choice is not None]
+    search.generated = list(search.base) + [(choice.source, choice.labels) for choice in extra]
+    options = search.options
+    if not options.refine:
+        return
+    to_refine: list[tuple[str, np.ndarray]] = []
+    if not search.exact and search.base:
+        to_refine.extend(_anchors(search.space, search.base, search.greedy_choice, options.refine_anchors))
+    to_refine.extend((choice.source, choice.labels) for choice in extra)
+    for source, labels in to_refine:
+        refined = _refine(search.space, options.capacity, labels, options)
+        if not np.array_equal(refined, greedy.canonical_labels(labels)):
+            search.generated.append((f"{source}+refined", refined))
+
+
+def _select_stage(search: _Search) -> None:
+    """Instantiate every generated candidate that is new, DP-compatible and within capacity."""
+    capacity, dp_size = search.options.capacity, search.options.dp_size
+    for source, labels in search.generated:
         if (int(labels.max()) + 1) % dp_size:
             logger.debug("dropping candidate %s: K=%d is not a multiple of D=%d", source, int(labels.max()) + 1, dp_size)
             continue
-        candidate = _instantiate(space, labels, dp_size, source)
+        candidate = _instantiate(search.space, labels, dp_size, source)
         fingerprint = candidate.labels.tobytes()
-        if fingerprint in seen:
+        if fingerprint in search.seen:
             continue
-        seen.add(fingerprint)
+        search.seen.add(fingerprint)
         if candidate.works.max() > capacity:
             logger.debug("dropping candidate %s: heaviest microbatch %d exceeds %d", source, candidate.works.max(), capacity)
             continue
-        candidates.append(candidate)
-    if not candidates:
+        search.candidates.append(candidate)
+    if not search.candidates:
+        k_values, n = search.k_values, search.size
         ceiling = f" (K = {k_values[-1] + dp_size} would exceed the {n} trajectories)" if k_values[-1] + dp_size > n else ""
         raise PlanningError(
             f"no candidate plan satisfies capacity {capacity} with K a multiple of dp_size {dp_size}: tried K in "
             f"{k_values[0]}..{k_values[-1]}{ceiling} and the greedy search; raise the capacity or lower dp_size"
         )
-    seconds["select"] = clock() - started
 
-    started = clock()
-    if options.exchange and options.extended:
-        ranked = sorted(enumerate(candidates), key=lambda item: (item[1].objective, item[1].count, item[0]))
-        for _, candidate in ranked[: options.exchange_candidates]:
-            exchanged = exchange.exchange_subtrees(space, capacity, candidate.labels, options.exchange_rounds, options.exchange_window,
-                                                   options.reach, budgets["exchange"])
-            exchanged_candidate = _instantiate(space, exchanged, dp_size, f"{candidate.source}+exchanged")
-            if exchanged_candidate.objective < candidate.objective and exchanged_candidate.labels.tobytes() not in seen:
-                seen.add(exchanged_candidate.labels.tobytes())
-                candidates.append(exchanged_candidate)
-    seconds["exchange"] = clock() - started
 
+def _exchange_stage(search: _Search) -> None:
+    """Subtree exchange of the best candidates by J (beyond the paper; only adds strictly better ones)."""
+    options = search.options
+    if not (options.exchange and options.extended):
+        return
+    for candidate in search.best_first()[: options.exchange_candidates]:
+        exchanged = exchange.exchange_subtrees(search.space, options.capacity, candidate.labels, options.exchange_rounds,
+                                               options.exchange_window, options.reach, search.budgets["exchange"])
+        search.add_if_better(exchanged, f"{candidate.source}+exchanged", candidate)
+
+
+def _balance_stage(search: _Search) -> None:
+    """Within-slot balancing of the best candidates by J (beyond the paper; only adds strictly better ones)."""
+    options = search.options
+    if not (options.balance and options.dp_size > 1):
+        return
+    exchanging = options.exchange and options.extended
+    for candidate in search.best_first()[: options.balance_candidates]:
+        balanced = balance.balance_slots(search.space, options.capacity, candidate.labels, options.dp_size, options.balance_rounds,
+                                         options.balance_window, exchange=exchanging, exchange_window=options.exchange_window,
+                                         free_rounds=options.balance_exchange_rounds if exchanging else 0,
+                                         reach=options.reach, budget=search.budgets["balance"])
+        search.add_if_better(balanced, f"{candidate.source}+balanced", candidate)
+
+
+#: The search, stage by stage, in order: (name, stage, the work budget it draws on or None). The names key
+#: ``PlanResult.seconds``; the budgets (``<name>_work`` x N units each, :mod:`harts.planner.budget`) bound
+#: the stages beyond the paper (the re-cut chain inside ``base``, the piece and unit greedies, subtree
+#: exchange, slot balancing).
+STAGES = (
+    ("base", _base_stage, "recut"),
+    ("greedy", _greedy_stage, None),
+    ("pieces", _pieces_stage, "pieces"),
+    ("refine", _refine_stage, None),
+    ("select", _select_stage, None),
+    ("exchange", _exchange_stage, "exchange"),
+    ("balance", _balance_stage, "balance"),
+)
+
+
+def choose_microbatches(index: PrefixIndex, options: PlannerOptions) -> PlanResult:
+    """Generate, refine, instantiate and select candidates, stage by stage (:data:`STAGES`); see the module docstring."""
+    clock = time.perf_counter
     started = clock()
-    if options.balance and dp_size > 1:
-        ranked = sorted(enumerate(candidates), key=lambda item: (item[1].objective, item[1].count, item[0]))
-        for _, candidate in ranked[: options.balance_candidates]:
-            exchanging = options.exchange and options.extended
-            balanced = balance.balance_slots(space, capacity, candidate.labels, dp_size, options.balance_rounds, options.balance_window,
-                                             exchange=exchanging, exchange_window=options.exchange_window,
-                                             free_rounds=options.balance_exchange_rounds if exchanging else 0,
-                                             reach=options.reach, budget=budgets["balance"])
-            balanced_candidate = _instantiate(space, balanced, dp_size, f"{candidate.source}+balanced")
-            if balanced_candidate.objective < candidate.objective and balanced_candidate.labels.tobytes() not in seen:
-                seen.add(balanced_candidate.labels.tobytes())
-                candidates.append(balanced_candidate)
-    seconds["balance"] = clock() - started
-    best = select_best(candidates)
+    search = _start(index, options)
+    seconds = {"prepare": clock() - started}
+    for name, stage, _ in STAGES:
+        started = clock()
+        stage(search)
+        seconds[name] = clock() - started
+    best = select_best(search.candidates)
     logger.debug("planned %d trajectories into K=%d microbatches (%s), J=%s, %d candidates",
-                n, best.count, best.source, best.objective, len(candidates))
-
+                 search.size, best.count, best.source, best.objective, len(search.candidates))
     members = [[] for _ in range(best.count)]
     for rank, label in enumerate(best.labels.tolist()):
         members[label].append(int(index.order[rank]))
     return PlanResult(
         microbatches=tuple(tuple(sorted(group)) for group in members),
         works=tuple(int(w) for w in best.works),
-        replicas=tuple(int(r) for r in best.replica),
-        slots=tuple(int(s) for s in best.slot),
         objective=best.objective,
         source=best.source,
-        lower_bound=lower_bound,
-        natural_count=len(natural),
-        k_range=tuple(k_values),
-        candidates=tuple((c.source, c.count, c.objective) for c in candidates),
+        lower_bound=search.lower_bound,
+        natural_count=len(search.natural),
+        k_range=tuple(search.k_values),
+        candidates=tuple((c.source, c.count, c.objective) for c in search.candidates),
         seconds=seconds,
-        work={stage: budget.used for stage, budget in budgets.items()},
-        work_limits={stage: budget.limit for stage, budget in budgets.items()},
+        work={stage: budget.used for stage, budget in search.budgets.items()},
+        work_limits={stage: budget.limit for stage, budget in search.budgets.items()},
     )
 
 

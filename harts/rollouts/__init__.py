@@ -12,11 +12,12 @@
 * :mod:`harts.rollouts.workloads`: the generators behind the presets (SWE-like steps, GRPO groups, ...).
 """
 
-from harts.rollouts.batch import RolloutBatch, read_node_table, read_node_table_records
+from harts.rollouts.batch import NODE_TABLE, RolloutBatch, read_node_table, read_node_table_records, write_node_table
 from harts.rollouts.inputs import Preset, demo_batch, presets, resolve_input
-from harts.rollouts.nodetable import PARQUET_SCHEMA_KEY, SUFFIXES, node_table_records, write_node_table
+from harts.rollouts.nodetable import PARQUET_SCHEMA_KEY, SUFFIXES, node_table_records
 
 __all__ = [
+    "NODE_TABLE",
     "PARQUET_SCHEMA_KEY",
     "SUFFIXES",
     "Preset",

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -31,6 +33,7 @@ import numpy as np
 
 from harts.rollouts import nodetable
 from harts.errors import RolloutInputError
+from harts.fsio import RECORD_LINE_LIMIT, OutputKind, check_output
 from harts.rollouts.fields import (
     FINITE_FIELDS,
     PER_TOKEN_FIELDS,
@@ -224,7 +227,12 @@ class RolloutBatch:
         return batch
 
     def write(self, path: Any) -> None:
-        """Write this batch as a node table (``.jsonl`` or ``.parquet``), atomically; see :mod:`harts.rollouts.nodetable`."""
+        """Write this batch as a node table (``.jsonl`` or ``.parquet``), atomically; see :mod:`harts.rollouts.nodetable`.
+
+        ``path`` must be new or a node table HARTS wrote (:data:`NODE_TABLE`); anything else raises
+        :class:`~harts.errors.OutputError` and is left untouched.
+        """
+        check_output(path, NODE_TABLE)
         nodetable.write_node_table(self, path)
 
     # ------------------------------------------------------------------ views
@@ -344,3 +352,44 @@ def read_node_table(path: Any) -> RolloutBatch:
 def read_node_table_records(records: Any) -> RolloutBatch:
     """Build a batch from in-memory node-table rows (dicts with a ``kind``, see :mod:`harts.rollouts.nodetable`)."""
     return RolloutBatch.from_node_table_records(records)
+
+
+def write_node_table(batch: RolloutBatch, path: Any) -> None:
+    """Write ``batch`` as a node table at ``path`` (:meth:`RolloutBatch.write`: the ownership rule applies)."""
+    batch.write(path)
+
+
+def _node_table_schema_hash(path: Path) -> str | None:
+    """The content hash a node table's schema records (None when it records none), read without reading the rows."""
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        stored = (pq.read_schema(path).metadata or {}).get(nodetable.PARQUET_SCHEMA_KEY)
+        schema = json.loads(stored) if stored is not None else None
+    else:
+        with open(path, "rb") as handle:
+            schema = json.loads(handle.readline(RECORD_LINE_LIMIT) or b"null")
+        if not (isinstance(schema, dict) and schema.get("kind") == nodetable.SCHEMA_KIND):
+            return None
+    content_hash = schema.get("content_hash") if isinstance(schema, dict) else None
+    return content_hash if isinstance(content_hash, str) else None
+
+
+def _why_not_a_harts_node_table(path: Path) -> str | None:
+    """None for a node table HARTS wrote and nobody edited since: its schema's content hash matches its rows."""
+    try:
+        content_hash = _node_table_schema_hash(path)
+    except Exception:  # pyarrow and json raise several types for files that are not node tables
+        return "it holds no HARTS node-table schema"
+    if content_hash is None:
+        return "it records no HARTS content hash"
+    try:
+        RolloutBatch.read(path)  # checks the rows against that hash
+    except Exception:  # any failure to read it back means it is not a table HARTS wrote as it is
+        return "it does not read back as HARTS wrote it: its rows and content hash disagree"
+    return None
+
+
+#: Node-table targets for the output-ownership rule (:func:`harts.fsio.check_outputs`): a table HARTS wrote is
+#: recognised by its schema's content hash matching its rows, not by the look of its first line.
+NODE_TABLE = OutputKind("a node table HARTS wrote", "the node table", False, _why_not_a_harts_node_table)

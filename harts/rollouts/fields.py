@@ -273,6 +273,16 @@ def refuse_misspelt_field(name: str) -> None:
         )
 
 
+def check_log_prob_values(name: str, values: np.ndarray, where: str) -> None:
+    """Log-probs a loss will read: finite (see :data:`LOG_PROB_FIELDS`)."""
+    if values.dtype.kind != "f":
+        return
+    invalid = ~np.isfinite(values)
+    if invalid.any():
+        bad = int(np.flatnonzero(invalid.reshape(-1))[0])
+        raise RolloutInputError(f"{where}: field '{name}' entry {bad} is {values.reshape(-1)[bad]}; log-probs must be finite")
+
+
 def check_field_values(name: str, values: np.ndarray, where: str) -> None:
     """Masks (:data:`MASK_FIELDS`) finite and in [0, 1]; loss factors and log-probs (:data:`FINITE_FIELDS`) finite."""
     if values.dtype.kind == "b" or values.size == 0:

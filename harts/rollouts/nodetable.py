@@ -44,7 +44,7 @@ import numpy as np
 
 from harts.rollouts.fields import TOKEN_FIELD_KINDS, TRAJECTORY_FIELD_KINDS, adopt, check_field_values, token_id_array
 from harts.errors import OutputError, RolloutInputError
-from harts.fsio import NODE_TABLE, atomic_write_with, check_output
+from harts.fsio import atomic_write_with
 
 if TYPE_CHECKING:  # the writers read a batch's attributes; only the builder a reader is given makes one
     from harts.rollouts.batch import RolloutBatch
@@ -923,7 +923,6 @@ def write_node_table(batch: RolloutBatch, path: str | os.PathLike[str]) -> None:
     suffix = _suffix(path)
     if path.is_dir():
         raise OutputError(f"cannot write the node table to {path}: it is a directory")
-    check_output(path, NODE_TABLE)  # the ownership rule of harts.fsio: new, or a node table HARTS wrote
     try:
         if suffix == ".jsonl":
             records = node_table_records(batch)

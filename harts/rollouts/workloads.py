@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -464,6 +465,95 @@ def trees_near_compression(batch: RolloutBatch, budget: int, target: float, capa
     logger.info("trees_near_compression: %d tree(s), %d trajectories, %d raw tokens, sharing %.3f (target %.3f)",
                 len(chosen), len(indices), total, sharing(indices), target)
     return batch.subset(indices.tolist())
+
+
+def trie_compression(batch: RolloutBatch) -> float:
+    """Raw tokens over the compact trie's tokens: the sharing of the whole batch, before any capacity split."""
+    from harts.passes.prefix_compress import build_compact_trie
+
+    return batch.semantic_tokens / build_compact_trie(batch.tokens).compact_tokens
+
+
+def _unused_ids(taken: set[int], count: int, vocab_size: int) -> list[int]:
+    """``count`` token ids outside ``taken``, counted down from the top of the vocabulary."""
+    ids = [v for v in range(vocab_size - 1, max(-1, vocab_size - 2 - count - len(taken)), -1) if v not in taken]
+    return ids[:count]
+
+
+def _diverged(tokens: np.ndarray, position: int, value: int) -> np.ndarray:
+    changed = np.array(tokens, copy=True)
+    changed[position] = value
+    return changed
+
+
+def with_compression(batch: RolloutBatch, target: float, *, vocab_size: int = 151_000, seed: int = 0,
+                     measure: Callable[[RolloutBatch], float] | None = None) -> RolloutBatch:
+    """``batch`` with its sharing lowered to ``target`` (1.0: no shared prefix at all), everything else kept.
+
+    Trajectories, their lengths and order, every field and the raw token count stay; what changes is how
+    far trajectories share prefixes. In a seeded random order, trajectories are isolated one after another
+    (their first token becomes one no other trajectory starts with, and each gets a tree of its own), and
+    the last one isolated only from a position on, so the result lands within one token of the target.
+    Isolating more never raises sharing, so both steps are binary searches. ``measure`` is the
+    compression to aim at (default :func:`trie_compression`; a benchmark can pass the planned compression
+    of its capacity instead, which splits large trees). Raises :class:`RolloutInputError` for a target
+    below 1 or above the batch's own compression (sharing is only lowered) and for more trajectories
+    than ``vocab_size`` leaves distinct first tokens for.
+    """
+    measure = trie_compression if measure is None else measure
+    if not target >= 1.0:
+        raise RolloutInputError(f"with_compression: 'target' must be at least 1, got {target!r}")
+    _check_vocabulary("with_compression", vocab_size)
+    count = len(batch)
+    base = measure(batch)
+    if target > base * (1 + 1e-9):
+        raise RolloutInputError(f"with_compression: the batch's compression is {base:.3f}, below the target {target}; "
+                                "sharing can only be lowered")
+    order = np.random.default_rng(seed).permutation(count).tolist()
+    tree_ids = np.asarray(batch.tree_ids if batch.tree_ids is not None else np.zeros(count, dtype=np.int64), dtype=np.int64)
+    fresh_tree = int(tree_ids.max()) + 1 if count else 0
+
+    # isolated first tokens: ids no trajectory starts with, one per trajectory
+    firsts = _unused_ids({int(t[0]) for t in batch.tokens}, count, vocab_size)
+    if len(firsts) < count:
+        raise RolloutInputError(f"with_compression: vocab_size {vocab_size} leaves too few unused first tokens for {count} trajectories")
+
+    def isolated(whole: int, partial_at: int | None = None) -> RolloutBatch:
+        tokens, trees = list(batch.tokens), tree_ids.copy()
+        for number, trajectory in enumerate(order[:whole]):
+            tokens[trajectory] = _diverged(tokens[trajectory], 0, firsts[number])
+            trees[trajectory] = fresh_tree + number
+        if partial_at is not None:
+            # a token no other trajectory has at that position makes every longer prefix its own
+            partial = order[whole]
+            taken = {int(t[partial_at]) for other, t in enumerate(tokens) if other != partial and len(t) > partial_at}
+            tokens[partial] = _diverged(tokens[partial], partial_at, _unused_ids(taken, 1, vocab_size)[0])
+        return RolloutBatch(tokens=tuple(tokens), token_fields=batch.token_fields,
+                            trajectory_fields=batch.trajectory_fields, tree_ids=trees)
+
+    # the most whole isolations that keep the compression at or above the target
+    low, high = 0, count
+    while low < high:
+        middle = (low + high + 1) // 2
+        if measure(isolated(middle)) >= target:
+            low = middle
+        else:
+            high = middle - 1
+    best = isolated(low)
+    if low < count:
+        # then the one trajectory isolated from a position on: diverging later shares more
+        first, last = 0, len(batch.tokens[order[low]]) - 1
+        while first < last:
+            middle = (first + last) // 2
+            if measure(isolated(low, middle)) >= target:
+                last = middle
+            else:
+                first = middle + 1
+        candidates = [best, isolated(low, first)] + ([isolated(low, first - 1)] if first > 0 else [])
+        best = min(candidates, key=lambda candidate: abs(measure(candidate) - target))
+    logger.info("with_compression: %d of %d trajectories isolated, compression %.3f (target %.3f, batch %.3f)",
+                low, count, measure(best), target, base)
+    return best
 
 
 # ----------------------------------------------------------------------------- demo

@@ -1,6 +1,8 @@
 """Public runtime entry points: per-token log-probs of a batch, with a plan or trajectory-wise.
 
-``log_probs(model, plan, batch)`` runs every microbatch of a compiled plan on its compact
+``log_probs(model, plan, batch)`` binds the plan to the batch once (:mod:`harts.binding`:
+hash, trajectories, shared-row tokens, vocabulary, routed experts; ``plan`` may be a laid-out
+:class:`~harts.Plan` or a :class:`~harts.binding.BoundPlan`), runs every microbatch of it on its compact
 layout (:class:`~harts.runtime.tree_view.TreeView`), computes log-probs per compact row and
 maps them to semantic positions; ``log_probs_baseline(model, batch)`` expands every
 trajectory and runs it as its own packed sequence (:class:`~harts.runtime.view.BaselineView`)
@@ -10,7 +12,7 @@ trajectory order: ``out.log_probs[i][t] = log p(tokens_i[t+1] | tokens_i[:t+1])`
 Router replay: when the batch carries ``routed_experts`` (:attr:`harts.RolloutBatch.routed_experts`),
 every MoE layer uses those experts instead of its own top-k, once per compact row for a plan
 (the trajectories through a row must agree, else :class:`~harts.errors.RolloutInputError`
-names both) and once per position for the baseline.
+names both: checked when binding) and once per position for the baseline.
 
 ``temperature`` divides the logits before the log-softmax, as the rollout engine sampled.
 ``model`` may be a data-parallel wrapper (``DistributedDataParallel``, or a model passed to

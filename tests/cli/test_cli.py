@@ -34,8 +34,8 @@ def test_compile_dumps_every_stage_and_the_programs(tmp_path):
     assert result.exit_code == 0, result.output
     names = sorted(p.name for p in dump.iterdir())
     assert names == ["000_lower.txt", "001_prefix-compress.txt", "002_partition-microbatches.txt", "003_schedule-slots.txt",
-                     "004_segment.txt", "005_min-call-rounds.txt", "006_codegen.txt"]
-    assert "def forward" in (dump / "006_codegen.txt").read_text()
+                     "004_segment.txt", "005_min-call-rounds.txt", "006_lay-out.txt"]
+    assert "def forward" in (dump / "006_lay-out.txt").read_text()
 
 
 def test_compile_with_a_partial_pipeline_and_print_ir(tmp_path):

@@ -69,9 +69,9 @@ def test_convert_an_ignore_typo(tmp_path):
     assert not (tmp_path / "o.jsonl").exists()
 
 
-def test_a_pipeline_with_codegen_twice():
-    pipeline = ",".join(harts.DEFAULT_PIPELINE) + ",codegen"
-    with pytest.raises(PipelineError, match="'codegen' is the last pass of a pipeline"):
+def test_a_pipeline_that_lays_out_twice():
+    pipeline = ",".join(harts.DEFAULT_PIPELINE) + ",lay-out"
+    with pytest.raises(PipelineError, match="'lay-out' is the last pass of a pipeline"):
         harts.compile(harts.RolloutBatch.from_trajectories([[1, 2, 3], [1, 2, 4]]), capacity=40, chunk_size=4, pipeline=pipeline)
 
 

@@ -18,7 +18,7 @@ from harts.ir.nodes import Module, Phase
 from harts.ir.text import parse_ir, print_ir
 from harts.ir.verify import verify
 from harts.passes import PassContext
-from harts.passes.codegen import Codegen
+from harts.passes.lay_out import LayOut
 from harts.passes.manager import DumpIR, run_pipeline
 from tests.helpers import token_trees
 
@@ -35,7 +35,7 @@ def laid_out_plans(draw, max_trajectories=7, max_length=30):
 @settings(max_examples=25, deadline=None)
 @given(laid_out_plans())
 def test_codegen_is_the_last_stage_of_a_compiled_plan_and_verifies(plan):
-    assert plan.pipeline.split(",")[-1] == "codegen"
+    assert plan.pipeline.split(",")[-1] == "lay-out"
     assert plan.module.phase == Phase.ROUNDED and plan.stats["phase"] == "laid_out"
     stage = plan.stage
     assert isinstance(stage, LaidOutModule) and stage.phase == Phase.LAID_OUT
@@ -106,14 +106,14 @@ def test_the_verifier_names_what_is_wrong():
 
 def test_codegen_runs_on_a_rounded_module_only():
     plan = harts.compile(harts.RolloutBatch.from_trajectories([[1, 2, 3], [1, 2, 4]]), pipeline="prefix-compress")
-    with pytest.raises(PipelineError, match="pass 'codegen' needs phase rounded but the module is compressed"):
-        run_pipeline(plan.module, [Codegen()], PassContext())
+    with pytest.raises(PipelineError, match="pass 'lay-out' needs phase rounded but the module is compressed"):
+        run_pipeline(plan.module, [LayOut()], PassContext())
 
 
 def test_a_pipeline_that_reaches_the_rounded_phase_ends_in_codegen():
     batch = harts.RolloutBatch.from_trajectories([[1, 2, 3], [1, 2, 4]])
     plan = harts.compile(batch, chunk_size=2, pipeline="prefix-compress,partition-microbatches,schedule-slots,segment,min-call-rounds")
-    assert plan.pipeline.endswith("min-call-rounds,codegen") and plan.layouts is not None
+    assert plan.pipeline.endswith("min-call-rounds,lay-out") and plan.layouts is not None
     assert plan.stage == harts.compile(batch, chunk_size=2).stage
     assert harts.compile(batch, pipeline="prefix-compress").layouts is None
 

@@ -228,7 +228,7 @@ def test_sequence_level_fields_are_per_trajectory_and_nan_log_probs_are_refused(
     np.testing.assert_array_equal(batch.trajectory_fields["importance_sampling_ratio"], ratio[:, 0])
     sampling = t["old_per_token_logps"].copy()
     sampling[1, 0] = np.nan
-    with pytest.raises(RolloutInputError, match="trajectory 1: field 'rollout_logprobs' entry .* is nan"):
+    with pytest.raises(RolloutInputError, match=r"trl batch: row 1 \(trajectory 1\): field 'rollout_logprobs' entry .* is nan"):
         from_trl(dict(t, sampling_per_token_logps=sampling))
     with pytest.raises(RolloutInputError, match="trajectory 2: field 'importance_sampling_ratio' is inf"):
         from_trl(dict(t, importance_sampling_ratio=np.where(np.arange(len(episodes)) == 2, np.inf, 1.0)[:, None]))

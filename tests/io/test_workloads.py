@@ -19,6 +19,8 @@ from harts.rollouts.workloads import (
     swe_like_step,
     swe_like_steps,
     trees_near_compression,
+    trie_compression,
+    with_compression,
 )
 
 
@@ -69,13 +71,13 @@ def test_calibrated_profile_plans_like_the_papers_recorded_steps():
     from harts.passes.base import PassContext
     from harts.passes.lower import lower
     from harts.passes.prefix_compress import PrefixCompress
-    from harts.planner import PlannerOptions, plan
+    from harts.planner import PlannerOptions, choose_microbatches
 
     batch = swe_like_step(seed=1, profile="calibrated")
     assert 1_300 <= len(batch) <= 2_400
     assert 35e6 <= batch.semantic_tokens <= 59e6
     module = PrefixCompress().run(lower(batch, capacity=65_536, dp_size=4), PassContext(batch=batch))
-    result = plan(PrefixIndex.from_module(module), PlannerOptions(capacity=65_536, dp_size=4))
+    result = choose_microbatches(PrefixIndex.from_module(module), PlannerOptions(capacity=65_536, dp_size=4))
     assert 5.0 <= batch.semantic_tokens / sum(result.works) <= 7.6
     assert sum(result.works) / len(result.works) >= 0.95 * 65_536
     # the default profile's large trees are the contrast: a plan there repeats long stems
@@ -129,6 +131,53 @@ def test_trees_near_compression_errors_name_the_reason():
         trees_near_compression(full, 10**9, 3.0, 100)
     with pytest.raises(RolloutInputError, match="'target' must be at least 1"):
         trees_near_compression(full, 10**9, 0.5, 65_536)
+
+
+@pytest.fixture(scope="module")
+def shared_trees() -> RolloutBatch:
+    full = swe_like_step(seed=1, scale=0.25, vocab_size=1000)
+    return trees_near_compression(full, 250_000, 5.6, 65_536)
+
+
+@pytest.mark.parametrize("target", [1.0, 1.5, 2.0, 3.0])
+def test_with_compression_reaches_low_sharing(shared_trees, target):
+    assert trie_compression(shared_trees) > 4.0  # whole trees alone share far more than the targets
+    lowered = with_compression(shared_trees, target, vocab_size=1000, seed=3)
+    compact = distinct_prefixes(lowered.tokens) if target == 1.0 else build_compact_trie(lowered.tokens).compact_tokens
+    assert abs(lowered.semantic_tokens / compact - target) <= 0.01 * target
+    # only sharing changes: the same trajectories, lengths, fields and token count
+    assert np.array_equal(lowered.lengths, shared_trees.lengths)
+    assert lowered.semantic_tokens == shared_trees.semantic_tokens
+    for name, values in shared_trees.token_fields.items():
+        assert all(np.array_equal(a, b) for a, b in zip(values, lowered.token_fields[name]))
+    for name, values in shared_trees.trajectory_fields.items():
+        assert np.array_equal(values, lowered.trajectory_fields[name])
+    changed = [i for i, (a, b) in enumerate(zip(shared_trees.tokens, lowered.tokens)) if not np.array_equal(a, b)]
+    for i in changed:  # one token per changed trajectory, within the vocabulary
+        assert int((shared_trees.tokens[i] != lowered.tokens[i]).sum()) == 1
+        assert 0 <= int(lowered.tokens[i].max()) < 1000
+    if target == 1.0:
+        assert len(set(np.asarray(lowered.tree_ids).tolist())) == len(lowered)
+
+
+def test_with_compression_is_seeded_and_errors_name_the_reason(shared_trees):
+    once = with_compression(shared_trees, 2.0, vocab_size=1000, seed=5)
+    again = with_compression(shared_trees, 2.0, vocab_size=1000, seed=5)
+    assert once.content_hash() == again.content_hash()
+    with pytest.raises(RolloutInputError, match="'target' must be at least 1"):
+        with_compression(shared_trees, 0.9, vocab_size=1000)
+    with pytest.raises(RolloutInputError, match="sharing can only be lowered"):
+        with_compression(shared_trees, 50.0, vocab_size=1000)
+
+
+def test_with_compression_aims_at_the_given_measure(shared_trees):
+    import harts
+
+    def planned(batch):
+        return harts.compile(batch, capacity=32_768, verify=False).stats["compression"]
+
+    lowered = with_compression(shared_trees, 2.0, vocab_size=1000, measure=planned)
+    assert abs(planned(lowered) - 2.0) <= 0.02
 
 
 def test_small_step_structure():

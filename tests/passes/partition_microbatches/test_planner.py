@@ -15,10 +15,10 @@ from harts.planner import (
     PlannerOptions,
     RankSpace,
     assign_slots,
+    choose_microbatches,
     imbalance,
     instantiate,
     objective_of,
-    plan,
     select_best,
     slot_imbalances,
     step_imbalance,
@@ -236,8 +236,8 @@ def test_no_feasible_dp_compatible_plan_is_explained():
                     [102] + zeros[:8] + [1] + zeros[:13], [102, 1] + zeros[:17]]
     index = compressed_index(trajectories)
     with pytest.raises(PlanningError, match=r"no candidate plan satisfies capacity 40 .*dp_size 4: tried K in 4\.\.4 \(K = 8 would exceed the 6 trajectories\)"):
-        plan(index, PlannerOptions(capacity=40, dp_size=4, exact_threshold=3))
-    assert plan(index, PlannerOptions(capacity=40, dp_size=3, exact_threshold=3)).objective[0] >= index.size
+        choose_microbatches(index, PlannerOptions(capacity=40, dp_size=4, exact_threshold=3))
+    assert choose_microbatches(index, PlannerOptions(capacity=40, dp_size=3, exact_threshold=3)).objective[0] >= index.size
 
 
 def test_sampled_k_values_keep_endpoints_and_budget():
@@ -460,7 +460,7 @@ def test_plan_guarantees(trajectories, capacity, dp_size, exact_threshold, exten
     # with K0 the natural partition's count, splitting reaches D * ceil(K0 / D): a plan exists
     natural_count = len(contiguous.natural_partition(space, capacity))
     assume(dp_size * -(-natural_count // dp_size) <= index.size)
-    result = plan(index, PlannerOptions(capacity=capacity, dp_size=dp_size, exact_threshold=exact_threshold, extended=extended))
+    result = choose_microbatches(index, PlannerOptions(capacity=capacity, dp_size=dp_size, exact_threshold=exact_threshold, extended=extended))
     if not extended:
         assert not any("pieces" in source or "recut" in source or "exchanged" in source for source, _, _ in result.candidates)
     members = sorted(t for group in result.microbatches for t in group)
@@ -470,8 +470,11 @@ def test_plan_guarantees(trajectories, capacity, dp_size, exact_threshold, exten
     assert max(result.works) <= capacity
     k = len(result.microbatches)
     assert k % dp_size == 0
-    assert sorted(zip(result.replicas, result.slots)) == sorted(itertools.product(range(dp_size), range(k // dp_size)))
-    assert result.objective == objective_of(result.works, result.replicas, result.slots)
+    # J is that of the slot rule schedule-slots applies: keys are each microbatch's smallest rank
+    rank = np.argsort(index.order)
+    replicas, slots = assign_slots(result.works, [int(rank[list(group)].min()) for group in result.microbatches], dp_size)
+    assert sorted(zip(replicas.tolist(), slots.tolist())) == sorted(itertools.product(range(dp_size), range(k // dp_size)))
+    assert result.objective == objective_of(result.works, replicas, slots)
     assert result.objective == min(c[2] for c in result.candidates)
     assert result.objective[0] >= result.lower_bound
     if exact_threshold == 512:

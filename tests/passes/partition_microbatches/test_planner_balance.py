@@ -14,7 +14,7 @@ from harts.passes.base import PassContext
 from harts.passes.lower import lower
 from harts.passes.partition_microbatches import PartitionMicrobatches
 from harts.passes.prefix_compress import PrefixCompress
-from harts.planner import PlannerOptions, RankSpace, assign_slots, objective_of, plan, slot_imbalances
+from harts.planner import PlannerOptions, RankSpace, assign_slots, objective_of, choose_microbatches, slot_imbalances
 from harts.planner.balance import balance_slots
 from harts.planner.schedule import slot_critical_after
 from tests.helpers import compressed_index, forests
@@ -44,10 +44,10 @@ def test_plan_with_balancing_is_never_worse(trajectories, capacity, dp_size):
         return
     options = dict(capacity=capacity, dp_size=dp_size, exact_threshold=3)
     try:
-        without = plan(index, PlannerOptions(**options, balance=False))
+        without = choose_microbatches(index, PlannerOptions(**options, balance=False))
     except PlanningError:  # infeasible inputs are tested in test_planner.py
         return
-    with_balance = plan(index, PlannerOptions(**options, balance=True))
+    with_balance = choose_microbatches(index, PlannerOptions(**options, balance=True))
     assert with_balance.objective <= without.objective
     assert not any(source.endswith("+balanced") for source, _, _ in without.candidates)
     assert sorted(t for group in with_balance.microbatches for t in group) == list(range(index.size))

@@ -13,7 +13,7 @@ from harts.ir.prefix_index import PrefixIndex
 from harts.passes.base import PassContext
 from harts.passes.lower import lower
 from harts.passes.prefix_compress import PrefixCompress
-from harts.planner import PlannerOptions, RankSpace, plan
+from harts.planner import PlannerOptions, RankSpace, choose_microbatches
 from harts.planner.balance import balance_slots
 from harts.planner.budget import WorkBudget
 from harts.planner.exchange import exchange_subtrees
@@ -59,7 +59,7 @@ def test_beyond_paper_stages_stay_within_their_budgets_and_grow_linearly(shape):
         index = index_of(batch)
         n = index.size
         capacity = max(int(index.lengths.max()), int(index.interval_work(0, n - 1)) // 12)
-        result = plan(index, PlannerOptions(capacity=capacity, dp_size=4, **budgets(16)))
+        result = choose_microbatches(index, PlannerOptions(capacity=capacity, dp_size=4, **budgets(16)))
         assert set(result.work) == set(EXTENSION_STAGES)
         for stage in EXTENSION_STAGES:
             assert result.work_limits[stage] == 16 * n
@@ -75,11 +75,11 @@ def test_the_planner_is_never_worse_than_the_paper_stages_alone(trajectories, dp
         return
     capacity = int(index.lengths.max()) + slack
     try:
-        paper = plan(index, paper_stages(capacity, dp_size))
+        paper = choose_microbatches(index, paper_stages(capacity, dp_size))
     except PlanningError:  # no paper candidate is feasible: the extra candidates may still find a plan
         paper = None
     try:
-        full = plan(index, PlannerOptions(capacity=capacity, dp_size=dp_size, **budgets(work_per_trajectory)))
+        full = choose_microbatches(index, PlannerOptions(capacity=capacity, dp_size=dp_size, **budgets(work_per_trajectory)))
     except PlanningError:
         assert paper is None
         return
@@ -96,8 +96,8 @@ def test_full_planner_beats_or_ties_the_paper_stages_on_every_shape(shape):
     index = index_of(batch)
     capacity = max(int(index.lengths.max()), int(index.interval_work(0, index.size - 1)) // 10)
     for dp_size in (2, 8):
-        paper = plan(index, paper_stages(capacity, dp_size))
-        full = plan(index, PlannerOptions(capacity=capacity, dp_size=dp_size))
+        paper = choose_microbatches(index, paper_stages(capacity, dp_size))
+        full = choose_microbatches(index, PlannerOptions(capacity=capacity, dp_size=dp_size))
         assert full.objective <= paper.objective
 
 
@@ -124,7 +124,7 @@ def test_balancing_a_wide_tree_evaluates_a_linear_pool_per_round():
     index = index_of(batch)
     space = RankSpace(index)
     capacity = int(index.interval_work(0, index.size - 1)) // 16
-    result = plan(index, PlannerOptions(capacity=capacity, dp_size=8, balance=False, exchange=False))
+    result = choose_microbatches(index, PlannerOptions(capacity=capacity, dp_size=8, balance=False, exchange=False))
     labels = np.empty(index.size, dtype=np.int64)
     for label, members in enumerate(result.microbatches):
         labels[index.rank[list(members)]] = label
@@ -138,6 +138,6 @@ def test_piece_greedies_open_more_microbatches_than_the_trie_needs():
     piece greedy's tables (sized from G / T to stay linear) must grow rather than fail."""
     batch = wide_tree_step(leaves=100, prompt_tokens=900, min_tokens=50, max_tokens=50, seed=1)
     index = index_of(batch)
-    result = plan(index, PlannerOptions(capacity=1000, dp_size=2))
+    result = choose_microbatches(index, PlannerOptions(capacity=1000, dp_size=2))
     assert len(result.works) >= 50 > 2 * -(-index.interval_work(0, index.size - 1) // 1000) + 8
     assert max(result.works) <= 1000 and sorted(t for group in result.microbatches for t in group) == list(range(100))

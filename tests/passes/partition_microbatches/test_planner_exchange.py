@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harts.errors import PlanningError
-from harts.planner import PlannerOptions, RankSpace, plan
+from harts.planner import PlannerOptions, RankSpace, choose_microbatches
 from harts.planner import greedy, repair
 from harts.planner.exchange import Layout, exchange_subtrees, subtree_runs
 from tests.helpers import compressed_index, forests, two_groups, work_of
@@ -166,10 +166,10 @@ def test_plan_with_exchange_is_never_worse(trajectories, capacity, dp_size, exte
         return
     options = dict(capacity=capacity, dp_size=dp_size, exact_threshold=3, extended=extended)
     try:
-        without = plan(index, PlannerOptions(**options, exchange=False))
+        without = choose_microbatches(index, PlannerOptions(**options, exchange=False))
     except PlanningError:  # infeasible inputs are tested in test_planner.py
         return
-    with_exchange = plan(index, PlannerOptions(**options, exchange=True))
+    with_exchange = choose_microbatches(index, PlannerOptions(**options, exchange=True))
     assert with_exchange.objective <= without.objective
     assert not any("+exchanged" in source for source, _, _ in without.candidates)
     if not extended:  # the paper's candidate set: no exchange

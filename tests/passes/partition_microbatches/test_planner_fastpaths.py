@@ -14,7 +14,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from harts.errors import PlanningError
-from harts.planner import PlannerOptions, RankSpace, plan, ranks
+from harts.planner import PlannerOptions, RankSpace, choose_microbatches, ranks
 from harts.planner import contiguous, greedy
 from tests.helpers import compressed_index, forests
 
@@ -155,12 +155,12 @@ def test_plans_do_not_depend_on_the_pair_table(trajectories, capacity, dp_size, 
     assume(index.lengths.max() <= capacity and index.size >= dp_size)
     options = PlannerOptions(capacity=capacity, dp_size=dp_size, exact_threshold=exact_threshold)
     try:
-        with_table = plan(index, options)
+        with_table = choose_microbatches(index, options)
     except PlanningError:
         return
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ranks, "PAIR_TABLE_BYTES", 0)
-        without = plan(index, options)
+        without = choose_microbatches(index, options)
     assert with_table.microbatches == without.microbatches
     assert with_table.candidates == without.candidates
 

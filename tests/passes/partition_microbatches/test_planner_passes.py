@@ -12,6 +12,7 @@ from harts.rollouts.batch import RolloutBatch
 from harts.errors import IRVerificationError, PipelineError, PlanningError
 from harts.ir.nodes import Phase
 from harts.ir.prefix_index import PrefixIndex
+from harts.ir.verify import verify
 from harts.ir.verify_plan import verify_partitioned, verify_scheduled
 from harts.passes import PASS_REGISTRY, parse_pipeline
 from harts.passes.base import PassContext
@@ -20,7 +21,7 @@ from harts.passes.manager import run_pipeline
 from harts.passes.partition_microbatches import PartitionMicrobatches
 from harts.passes.prefix_compress import PrefixCompress
 from harts.passes.schedule_slots import ScheduleSlots
-from harts.planner import PlannerOptions, RankSpace, contiguous, objective, plan
+from harts.planner import PlannerOptions, RankSpace, contiguous, objective, choose_microbatches
 from tests.helpers import token_trees
 
 
@@ -51,9 +52,12 @@ def forests(draw):
 def test_passes_are_registered_and_parse():
     assert PASS_REGISTRY["partition-microbatches"] is PartitionMicrobatches
     assert PASS_REGISTRY["schedule-slots"] is ScheduleSlots
-    (invocation,) = parse_pipeline("partition-microbatches{capacity=4096,dp_size=2,exact_threshold=10,refine=false}")
-    assert invocation == PartitionMicrobatches(capacity=4096, dp_size=2, exact_threshold=10, refine=False)
-    assert invocation.to_text() == "partition-microbatches{capacity=4096,dp_size=2,exact_threshold=10,refine=false}"
+    (invocation,) = parse_pipeline("partition-microbatches{exact_threshold=10,refine=false}")
+    assert invocation == PartitionMicrobatches(exact_threshold=10, refine=False)
+    assert invocation.to_text() == "partition-microbatches{exact_threshold=10,refine=false}"
+    # T and D are compile options, recorded by lower: no pass overrides them
+    with pytest.raises(PipelineError, match="has no option 'capacity'"):
+        parse_pipeline("partition-microbatches{capacity=4096}")
 
 
 @settings(max_examples=30, deadline=None)
@@ -78,17 +82,17 @@ def test_pass_outputs_verify(trajectories, capacity, dp_size, exact_threshold, g
     assert keys == sorted(keys)
     assert sorted(mb.trajectories for mb in second.microbatches) == sorted(mb.trajectories for mb in first.microbatches)
     # the scheduled module has exactly the J the planner selected on
-    expected = plan(index, PlannerOptions(capacity=capacity, dp_size=dp_size, exact_threshold=exact_threshold, greedy=greedy))
+    expected = choose_microbatches(index, PlannerOptions(capacity=capacity, dp_size=dp_size, exact_threshold=exact_threshold, greedy=greedy))
     assert objective(second.microbatches) == expected.objective
     per_replica = np.bincount([mb.replica for mb in second.microbatches], minlength=dp_size)
     assert np.all(per_replica == len(second.microbatches) // dp_size)
 
 
-def test_options_override_and_are_recorded():
-    module = compressed([[1, 2, 3, 4], [1, 2, 3, 5], [7, 7, 7], [8, 8]], capacity=100, dp_size=1)
-    result = scheduled(module, capacity=6, dp_size=2)
+def test_the_planning_passes_plan_for_the_modules_targets_and_never_change_them():
+    module = compressed([[1, 2, 3, 4], [1, 2, 3, 5], [7, 7, 7], [8, 8]], capacity=6, dp_size=2)
+    result = scheduled(module)
     assert (result.capacity, result.dp_size) == (6, 2)
-    verify_scheduled(result)
+    verify(result)
     assert len(result.microbatches) % 2 == 0 and max(mb.work for mb in result.microbatches) <= 6
 
 
@@ -120,7 +124,7 @@ def test_impossible_microbatch_count_is_explained():
         partitioned(module)
 
 
-@pytest.mark.parametrize("option", ["capacity", "dp_size", "exact_threshold", "sample_budget"])
+@pytest.mark.parametrize("option", ["exact_threshold", "sample_budget"])
 def test_bad_option_values_are_rejected(option):
     with pytest.raises(PipelineError, match=option):
         PartitionMicrobatches(**{option: 0})

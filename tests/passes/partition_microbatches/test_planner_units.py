@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from harts.planner import PlannerOptions, RankSpace, plan
+from harts.planner import PlannerOptions, RankSpace, choose_microbatches
 from harts.planner import contiguous
 from tests.helpers import compressed_index, forests, work_of
 
@@ -51,8 +51,8 @@ def test_packing_whole_trees_finds_the_plan_the_papers_candidates_miss():
         trajectories.append(prompt + [token] * stem + [51] * second_answer)
     index = compressed_index(trajectories)
     options = dict(capacity=28, dp_size=2, exact_threshold=0)
-    full = plan(index, PlannerOptions(**options))
-    paper = plan(index, PlannerOptions(**options, extended=False))
+    full = choose_microbatches(index, PlannerOptions(**options))
+    paper = choose_microbatches(index, PlannerOptions(**options, extended=False))
     assert sum(full.works) == 51 and len(full.works) == 2
     assert full.source.startswith("units/")
     assert sorted(full.microbatches) == [(0, 1, 4, 5), (2, 3, 6, 7)]

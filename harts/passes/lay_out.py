@@ -1,4 +1,4 @@
-"""``codegen``: the compact physical layout of every microbatch, the stage the runtime executes (§4.2).
+"""``lay-out``: the compact physical layout of every microbatch, the stage the runtime executes (§4.2).
 
 Its output is a :class:`~harts.ir.layout.LaidOutModule`: the rounded module, unchanged, and
 one :class:`~harts.ir.layout.MicrobatchLayout` per microbatch (row order, map m,
@@ -16,24 +16,21 @@ import attrs
 
 from harts.codegen.layout import lay_out
 from harts.ir.layout import LaidOutModule
-from harts.ir.nodes import Module, Phase
+from harts.ir.nodes import Module
 from harts.ir.text import print_ir
 from harts.passes.base import Pass, PassContext
+from harts.passes.registry import builtin_pass
 
 
 def _commented(text: str) -> str:
     return "".join(f"// {line}".rstrip() + "\n" for line in text.splitlines())
 
 
+@builtin_pass("lay-out")
 @attrs.frozen
-class Codegen(Pass):
-    name = "codegen"
-    summary = "compact physical layout of every microbatch: rows, map m, replay and ancestor rows, state hand-offs"
-    requires = Phase.ROUNDED
-    produces = Phase.LAID_OUT
-
+class LayOut(Pass):
     def run(self, module: Module, ctx: PassContext) -> LaidOutModule:
-        ctx.report("codegen", 0.0)
+        ctx.report(self.name, 0.0)
         return lay_out(module)
 
     def render(self, result: LaidOutModule) -> str:

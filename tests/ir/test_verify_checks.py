@@ -1,0 +1,138 @@
+"""Every check of the vectorised verifiers still fires: a verified module, mutated one invariant at a time.
+
+The laid-out verifier checks all microbatches at once and compares row and token arrays run by run
+(one neighbour difference instead of the expected array), and ``verify(module, verified=...)`` skips
+the phases a module shares object for object with a verified one. These tests break one thing of a
+real compiled plan (several microbatches, shared prefixes, replay and state hand-offs) and check that
+the verifier names it; the hypothesis test in ``tests/codegen/test_laid_out_phase.py`` changes random
+entries of random arrays.
+"""
+
+from __future__ import annotations
+
+import re
+
+import attrs
+import numpy as np
+import pytest
+
+import harts
+from harts.errors import IRVerificationError
+from harts.ir.layout import ARRAY_FIELDS, LaidOutModule
+from harts.ir.nodes import Phase
+from harts.ir.verify import verify
+from harts.rollouts.workloads import swe_like_step
+
+
+@pytest.fixture(scope="module")
+def stage() -> LaidOutModule:
+    batch = swe_like_step(seed=2, scale=0.03, vocab_size=500)
+    plan = harts.compile(batch, capacity=2600, dp_size=2, chunk_size=16)
+    stage = LaidOutModule(module=plan.module, layouts=plan.layouts)
+    assert len(stage.layouts) >= 4
+    assert any(layout.ancestor_rows.size and layout.export_position.size for layout in stage.layouts)
+    return stage
+
+
+def _with(stage: LaidOutModule, microbatch: int, **arrays) -> LaidOutModule:
+    layouts = list(stage.layouts)
+    layouts[microbatch] = attrs.evolve(layouts[microbatch], **arrays)
+    return LaidOutModule(module=stage.module, layouts=tuple(layouts))
+
+
+def _busiest(stage: LaidOutModule) -> int:
+    """A microbatch that is not the first and has every kind of array non-empty (exports, ancestors)."""
+    return max(range(1, len(stage.layouts)), key=lambda k: (stage.layouts[k].export_position.size > 0,
+                                                             stage.layouts[k].ancestor_rows.size > 0, k))
+
+
+@pytest.mark.parametrize("field", ARRAY_FIELDS)
+def test_every_layout_array_is_checked_entry_by_entry(stage, field):
+    verify(stage)
+    k = _busiest(stage)
+    values = getattr(stage.layouts[k], field).copy()
+    if not values.size:
+        pytest.skip(f"{field} is empty in this microbatch")
+    # the middle entry: neither a run's first entry (checked by value) alone nor the last
+    entry = values.size // 2
+    values[entry] += 1 if values[entry] < values.max() else -1
+    with pytest.raises(IRVerificationError, match=f"microbatch {k}") as caught:
+        verify(_with(stage, k, **{field: values}))
+    message = str(caught.value)
+    # the check that fires names the array, or (for the map m) the trajectory, position and row
+    assert field in message or "maps to layout row" in message or "state source" in message, message
+
+
+def test_the_map_check_names_the_trajectory_position_and_row(stage):
+    k = _busiest(stage)
+    layout = stage.layouts[k]
+    rows = layout.trajectory_rows.copy()
+    member_end = int(layout.trajectory_offsets[1])
+    # inside the first member's first trie node: the run check, not its first value, must catch it
+    rows[[1, 2]] = rows[[2, 1]]
+    with pytest.raises(IRVerificationError, match=re.escape(
+            f"microbatch {k}: trajectory {int(layout.trajectories[0])}, position 1 maps to layout row {int(rows[1])}")):
+        verify(_with(stage, k, trajectory_rows=rows))
+    assert member_end > 2
+
+
+def test_a_run_start_is_checked_by_value(stage):
+    """Shifting a whole run keeps every step of 1 inside it: only the run's first value can catch it."""
+    k = _busiest(stage)
+    layout = stage.layouts[k]
+    rows = layout.trajectory_rows.copy()
+    start, end = int(layout.trajectory_offsets[-2]), int(layout.trajectory_offsets[-1])
+    rows[start:end] = (rows[start:end] + 1) % layout.num_rows
+    with pytest.raises(IRVerificationError, match=f"microbatch {k}: trajectory"):
+        verify(_with(stage, k, trajectory_rows=rows))
+
+
+def test_row_arrays_are_checked_as_runs(stage):
+    k = _busiest(stage)
+    layout = stage.layouts[k]
+    for field, change in (("row_position", 1), ("row_trajectory", 1), ("row_multiplicity", 1)):
+        values = getattr(layout, field).copy()
+        values[: int(layout.seq_row_start[1])] += change  # a whole first sequence: steps inside it stay right
+        with pytest.raises(IRVerificationError, match=f"microbatch {k}: layout field {field} differs from the rounds at entry 0"):
+            verify(_with(stage, k, **{field: values}))
+
+
+def test_verifying_against_a_verified_module_reruns_what_changed(stage):
+    rounded = stage.module
+    verify(rounded)
+    verify(rounded, verified=rounded)  # nothing changed, nothing to find
+    node = rounded.trie.nodes[0]
+    broken_trie = attrs.evolve(rounded.trie, nodes=(attrs.evolve(node, multiplicity=node.multiplicity + 1),) + rounded.trie.nodes[1:])
+    with pytest.raises(IRVerificationError, match="multiplicity"):
+        verify(attrs.evolve(rounded, trie=broken_trie), verified=rounded)
+    first = rounded.microbatches[0]
+    heavier = (attrs.evolve(first, work=first.work + 1),) + rounded.microbatches[1:]
+    with pytest.raises(IRVerificationError, match="microbatch 0: work"):
+        verify(attrs.evolve(rounded, microbatches=heavier), verified=rounded)
+    swapped = (attrs.evolve(first, slot=rounded.microbatches[1].slot, replica=rounded.microbatches[1].replica),) + rounded.microbatches[1:]
+    with pytest.raises(IRVerificationError, match="both run on replica"):
+        verify(attrs.evolve(rounded, microbatches=swapped), verified=rounded)
+    with pytest.raises(IRVerificationError, match="capacity"):
+        verify(attrs.evolve(rounded, capacity=1), verified=rounded)
+
+
+def test_verifying_against_a_verified_module_skips_the_unchanged_phases(stage, monkeypatch):
+    import harts.ir.verify as verify_module
+
+    calls = []
+    checks = tuple((phase, (lambda check, phase: lambda module: (calls.append(phase), check(module)))(check, phase))
+                   for phase, check in verify_module.phase_checks())
+    monkeypatch.setattr(verify_module, "phase_checks", lambda: checks)
+    rounded = stage.module
+    verify(rounded, verified=rounded)
+    assert calls == []
+    resegmented = attrs.evolve(rounded, microbatches=tuple(attrs.evolve(mb, segments=tuple(list(mb.segments))) for mb in rounded.microbatches))
+    verify(resegmented, verified=rounded)
+    assert calls == [Phase.SEGMENTED, Phase.ROUNDED]  # new segment tuples: their checks and the later ones
+    calls.clear()
+    verify(stage, verified=rounded)
+    assert calls == [Phase.LAID_OUT]
+    calls.clear()
+    verify(rounded)
+    assert calls == [Phase.LOWERED, Phase.COMPRESSED, Phase.PARTITIONED, Phase.SCHEDULED, Phase.SEGMENTED, Phase.ROUNDED]
+    assert np.all([mb.rounds is not None for mb in rounded.microbatches])
