@@ -30,6 +30,7 @@ from areal.utils.functional import ppo_actor_loss_fn  # noqa: E402
 from harts.errors import RolloutInputError  # noqa: E402
 from harts.integrations.areal import HartsPPOActor  # noqa: E402
 from harts.interop import from_areal, to_layout  # noqa: E402
+from harts.models import from_hf  # noqa: E402
 from harts.runtime import log_probs_baseline  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -181,7 +182,7 @@ def test_areal_layout_is_what_areals_loss_reads(tmp_path):
     packed = {key: torch.cat([item[key][0, : int(item["attention_mask"].sum())] for item in batch])
               for key in ("loss_mask", "logprobs", "advantages")}
     imported = from_areal(batch, rolled=True)
-    out = log_probs_baseline(__import__("harts").models.from_hf(model), imported)
+    out = log_probs_baseline(from_hf(model), imported)
     theirs = torch.cat([torch.cat([lp, lp.new_zeros(1)]) for lp in reference_log_probs(model, [t for t, _, _ in episodes])])
 
     def loss(logprobs):
