@@ -196,15 +196,27 @@ def convert_command(
     framework: str = typer.Option(..., "--from", help="The framework that wrote it: verl, trl or areal."),
     output: Path = typer.Option(..., "--output", "-o", help="Node table to write (.jsonl or .parquet)."),
     ignore: Optional[list[str]] = typer.Option(None, "--ignore", help="Batch key to leave out (repeatable)."),
+    rolled: Optional[bool] = typer.Option(
+        None, "--rolled/--not-rolled",
+        help="areal only (required there): whether PPOActor.compute_advantages has rolled loss_mask / logprobs by -1.",
+    ),
 ) -> None:
     """Convert an RL framework's saved batch into a HARTS node table (trees recovered by token prefixes)."""
     from harts.fsio import check_outputs
     from harts.interop import read_framework_batch
     from harts.rollouts import NODE_TABLE
 
+    options = {"ignore": tuple(ignore or ())}
+    if framework == "areal":
+        if rolled is None:
+            raise HartsError("--from areal needs --rolled or --not-rolled: whether the batch went through "
+                             "PPOActor.compute_advantages (loss_mask and logprobs rolled by -1) cannot be told from it")
+        options["rolled"] = rolled
+    elif rolled is not None:
+        raise HartsError(f"--rolled / --not-rolled apply to --from areal only, not --from {framework}")
     check_outputs([("--output", output, NODE_TABLE)], [input])
     with console.status(f"reading {input}"):
-        batch = read_framework_batch(input, framework, ignore=tuple(ignore or ()))
+        batch = read_framework_batch(input, framework, **options)
     try:
         batch.write(output)
     except (OSError, ValueError) as error:

@@ -1,7 +1,10 @@
 """Saved framework batches: a torch ``.pt`` of a dict of tensors, Parquet, or JSON Lines.
 
 ``.pt`` files are read with ``torch.load(weights_only=True)``: tensors, lists and numbers
-only, never arbitrary pickled objects (save ``dict(data.batch)``, not a ``DataProto``).
+only, never arbitrary pickled objects. verl's ``DataProto.save_to_disk`` files (``.pkl``, or any
+of these suffixes) are read without running verl's unpickling: only the ``DataProto`` state is
+taken (its ``TensorDict`` batch, ``non_tensor_batch`` numpy arrays and ``meta_info``), the batch
+rebuilt by :func:`_tensordict_leaves` from its consolidated storage, and any other object refused.
 Parquet and JSON Lines hold one row per trajectory (a JSON object per line); each column
 becomes one batch key, stacked into ``[B, ...]`` when its rows have one shape and kept as a
 list of rows otherwise (AReaL's unpadded rows).
@@ -14,6 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from harts.rollouts.batch import RolloutBatch
 from harts.errors import RolloutInputError
 from harts.interop.importers import from_areal, from_trl, from_verl
@@ -22,7 +27,78 @@ __all__ = ["FRAMEWORKS", "read_framework_batch", "read_framework_file"]
 
 #: Framework name -> importer.
 FRAMEWORKS = {"verl": from_verl, "trl": from_trl, "areal": from_areal}
-SUFFIXES = (".pt", ".pth", ".parquet", ".jsonl")
+SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".parquet", ".jsonl")
+#: The pickle globals a DataProto.save_to_disk file may name besides DataProto: numpy arrays of its non-tensor batch.
+_NUMPY_GLOBALS = {("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "_reconstruct"), ("numpy", "ndarray"),
+                  ("numpy", "dtype"), ("numpy._core.multiarray", "scalar"), ("numpy.core.multiarray", "scalar"),
+                  ("numpy._core.numeric", "_frombuffer"), ("numpy.core.numeric", "_frombuffer")}
+#: How tensordict (>= 0.5, as verl's DataProto.__getstate__ requires) pickles a consolidated TensorDict.
+_TENSORDICT_REBUILD = "tensordict._reductions._rebuild_tensordict_files_consolidated"
+
+
+def _tensordict_leaves(metadata: dict, storage) -> dict[str, Any]:
+    """The tensors of a consolidated TensorDict: views of its one byte storage, as tensordict lays them out.
+
+    Written here so that a saved batch is read with ``torch.load(weights_only=True)`` and neither
+    tensordict nor verl is imported: nested TensorDicts and non-tensor entries are left out.
+    """
+    import torch
+
+    out: dict[str, Any] = {}
+    jagged: dict[str, dict[str, Any]] = {}
+    for key, (dtype, shape, start, stop, pad) in metadata.get("leaves", {}).items():
+        value = storage[start:stop].view(getattr(torch, str(dtype).removeprefix("torch.")))
+        count = int(np.prod(shape)) if len(shape) else 1
+        value = value[:count].view(tuple(shape)) if pad else value.view(tuple(shape))
+        for part in ("<NJT_VALUES>", "<NJT_LENGTHS>", "<NJT_OFFSETS>"):
+            if key.startswith(part):
+                jagged.setdefault(key.removeprefix(part), {})[part] = value
+                break
+        else:
+            out[key] = value
+    for key, parts in jagged.items():
+        out[key] = torch.nested.nested_tensor_from_jagged(parts["<NJT_VALUES>"], offsets=parts["<NJT_OFFSETS>"],
+                                                          lengths=parts.get("<NJT_LENGTHS>"))
+    return out
+
+
+class _DataProtoState:
+    """Stands in for verl's DataProto while unpickling: keeps the state instead of running its __setstate__."""
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+def _read_dataproto(path: Path) -> dict[str, Any]:
+    import io
+    import pickle
+
+    import torch
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) == ("verl.protocol", "DataProto"):
+                return _DataProtoState
+            if (module, name) in _NUMPY_GLOBALS:
+                return super().find_class(module, name)
+            raise RolloutInputError(f"{path}: a DataProto file naming {module}.{name}, which HARTS does not unpickle")
+
+    try:
+        with path.open("rb") as handle:
+            saved = Unpickler(handle).load()
+        batch_bytes, non_tensor_batch, _meta_info = saved.state
+        with torch.serialization.safe_globals([(_tensordict_leaves, _TENSORDICT_REBUILD)]):
+            batch = {} if batch_bytes is None else torch.load(io.BytesIO(batch_bytes), map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, AttributeError, ValueError, TypeError, EOFError, RuntimeError) as error:
+        raise RolloutInputError(f"{path}: not a DataProto.save_to_disk file HARTS can read ({str(error).splitlines()[0]})") from None
+    if not isinstance(batch, dict):
+        raise RolloutInputError(f"{path}: the DataProto's batch is a {type(batch).__name__}, expected a TensorDict")
+    return {**batch, **dict(non_tensor_batch or {})}
+
+
+def _is_dataproto(path: Path) -> bool:
+    with path.open("rb") as handle:
+        return b"verl.protocol" in handle.read(64)
 
 
 def _read_torch(path: Path) -> dict[str, Any]:
@@ -32,6 +108,8 @@ def _read_torch(path: Path) -> dict[str, Any]:
 
     if path.stat().st_size == 0:
         raise RolloutInputError(f"{path}: the file is empty; expected a torch.save of a dict of tensors")
+    if _is_dataproto(path):
+        return _read_dataproto(path)
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     # torch.load's errors on damaged files: UnpicklingError, RuntimeError (zip), EOFError, and for
@@ -97,7 +175,7 @@ def read_framework_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not path.is_file():
         raise RolloutInputError(f"{path}: no such file")
     suffix = path.suffix.lower()
-    if suffix in (".pt", ".pth"):
+    if suffix in (".pt", ".pth", ".pkl", ".pickle"):
         return _read_torch(path)
     if suffix == ".parquet":
         return _read_parquet(path)

@@ -12,9 +12,9 @@ to none: padding, which holds 0). A log-prob slot holds the log-prob *of* its to
 line up elementwise as the framework's loss expects. The layouts:
 
 ``"verl"``  ``[B, R]``, response tokens only, right-padded, label-aligned: slot ``(i, j)`` is
-    token ``P_i + j`` (``P_i`` the prompt length). verl's actor keeps the logits of
-    ``input_ids[:, -R-1:-1]`` and gathers ``responses`` (``verl/workers/actor/dp_actor.py``,
-    ``_forward_micro_batch``), and ``old_log_probs``, ``ref_log_prob``, ``advantages`` and
+    token ``P_i + j`` (``P_i`` the prompt length). verl's losses slice the engine's output to the
+    response this way (``no_padding_2_padding`` in ``verl/workers/utils/padding.py``), and
+    ``old_log_probs``, ``ref_log_prob``, ``advantages`` and
     ``response_mask`` share this ``[B, R]`` shape in ``compute_policy_loss``
     (``verl/trainer/ppo/core_algos.py``); the agent loop's ``response_mask`` is 0 on tool /
     observation tokens (``verl/experimental/agent_loop``).
@@ -27,13 +27,13 @@ line up elementwise as the framework's loss expects. The layouts:
     NeMo-RL stores ``prev_logprobs``, ``token_mask`` and ``advantages`` as ``[B, S]`` and its
     ``ClippedPGLossFn`` slices ``[:, 1:]`` to meet the current log-probs of
     ``input_ids[:, 1:]`` from ``next_token_logits[:, :-1]`` (``nemo_rl/algorithms/loss_functions.py``).
-``"areal"``  packed 1-D ``[sum len_i]`` with ``cu_seqlens``, token-aligned: slot ``t`` of
-    trajectory ``i`` is token ``t`` (entry 0 of each trajectory holds 0). This is AReaL's
-    stored ``logprobs`` / ``loss_mask`` convention (``[0.0] * input_len + output_logprobs``
-    in its workflows; ``pack_tensor_dict`` in ``areal/utils/data.py`` packs by
-    ``attention_mask`` into ``cu_seqlens``); ``PPOActor.compute_advantages``
-    (``areal/engine/ppo/actor.py``) rolls both by -1 before the loss, and
-    ``torch.roll(x, -1)`` of this layout gives the engine's next-token-aligned tensor.
+``"areal"``  packed 1-D ``[sum len_i]`` with ``cu_seqlens``, next-token aligned: slot ``t`` of
+    trajectory ``i`` is token ``t + 1`` (the last entry of each trajectory holds 0). This is what
+    AReaL's losses read (``grpo_loss_fn`` / ``ppo_actor_loss_fn``, ``areal/trainer/ppo/actor.py``,
+    ``areal/utils/functional``): its engine gathers the log-probs of the packed micro-batch at
+    ``torch.roll(input_ids, -1)`` (``FSDPEngine._compute_logprobs``, ``areal/engine/fsdp_engine.py``)
+    and ``PPOActor.compute_advantages`` rolls the stored ``loss_mask`` / ``logprobs`` by -1 to meet
+    them. :meth:`LayoutSpec.token_field` of this layout rolls a token-aligned field the same way.
 ``"nested"``  a ``torch.nested`` jagged tensor ``[B, j]`` with ``j = len_i``, next-token
     aligned: entry ``t`` is token ``t + 1`` and the last entry of each trajectory holds 0. This
     is the ``log_probs`` model output of verl's new engine: its ``ppo_loss`` slices the response
@@ -209,10 +209,9 @@ def layout_spec(batch: RolloutBatch, name: str, *, prompt_lengths: Any = None, w
     offsets = _offsets(lengths)
     trajectory = np.repeat(np.arange(count), lengths)
     step = np.arange(offsets[-1], dtype=np.int64) - offsets[trajectory]
-    if name == "areal":
-        return FrameworkLayout(name, lengths, trajectory, step, (int(offsets[-1]),), offsets=offsets)
-    position = np.where(step + 1 < lengths[trajectory], step + 1, -1)
-    return FrameworkLayout(name, lengths, trajectory, position, (count, -1), offsets=offsets)
+    position = np.where(step + 1 < lengths[trajectory], step + 1, -1)  # both next-token aligned, last entry 0
+    shape = (int(offsets[-1]),) if name == "areal" else (count, -1)
+    return FrameworkLayout(name, lengths, trajectory, position, shape, offsets=offsets)
 
 
 def to_layout(

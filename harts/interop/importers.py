@@ -16,33 +16,37 @@ tensors, numpy arrays or lists; 0-d entries (batch-level counts such as TRL's
 (``[B, S, layers, top_k]`` over the full sequence, as verl's router replay records them)
 becomes the batch's routed experts (:attr:`RolloutBatch.routed_experts`).
 
-verl (``DataProto.batch``; ``verl/experimental/agent_loop``, ``verl/workers/actor/dp_actor.py``):
+verl (a ``DataProto``, its ``batch`` ``TensorDict``, or a dict; ``verl/trainer/ppo/ray_trainer.py``,
+``verl/experimental/agent_loop``):
     ``input_ids`` / ``attention_mask`` / ``position_ids`` ``[B, P + R]``: the left-padded prompt
     then the right-padded response; ``responses`` ``[B, R]``; ``response_mask`` ``[B, R]`` (1 for
     LLM tokens, 0 for tool observations and padding; older multi-turn verl calls it
     ``loss_mask``); ``old_log_probs``, ``ref_log_prob``, ``rollout_log_probs``, ``advantages``,
     ``returns``, ... ``[B, R]`` label-aligned with ``responses``; ``[B]`` entries (``uid``, scores)
-    are per trajectory.
+    are per trajectory. The worker-side form that verl's engines receive
+    (``left_right_2_no_padding``, ``verl/workers/utils/padding.py``) holds nested ``input_ids`` /
+    ``position_ids`` ``[B, len_i]`` beside the padded ``attention_mask``; nested fields are placed
+    back by it (or, without one, by nested ``prompts`` and ``responses``).
 TRL (``GRPOTrainer._generate_and_score_completions``):
     ``prompt_ids`` / ``prompt_mask`` ``[B, P]`` left-padded, ``completion_ids`` /
     ``completion_mask`` ``[B, C]`` right-padded (the mask ends at the first EOS), ``tool_mask``
     ``[B, C]`` (0 on tool tokens), ``advantages`` ``[B]`` (or ``[B, C]``), ``old_per_token_logps``,
     ``ref_per_token_logps``, ``sampling_per_token_logps`` ``[B, C]``.
-AReaL (workflow output, ``areal/engine/ppo/actor.py``, ``areal/utils/data.py``):
-    padded ``input_ids`` / ``attention_mask`` (right-padded) ``[B, S]``, or packed 1-D
-    ``input_ids`` with ``cu_seqlens`` ``[B + 1]``, or one unpadded row per trajectory;
+AReaL (workflow output or ``PPOActor``'s batch, ``areal/trainer/ppo/actor.py``, ``areal/utils/data.py``):
+    AReaL 1.0.4's ``list[dict]`` (one dict per trajectory or group, right-padded), padded
+    ``input_ids`` / ``attention_mask`` (right-padded) ``[B, S]``, packed 1-D ``input_ids`` with
+    ``cu_seqlens`` ``[B + 1]`` (the engine's micro-batches), or one unpadded row per trajectory;
     ``loss_mask``, ``logprobs`` (``[0.0] * input_len + output_logprobs``), ``versions`` token
     aligned; ``prox_logp`` and ``ref_logp`` (engine outputs, gathered at ``roll(input_ids, -1)``)
     next-token aligned; ``rewards`` ``[B]``. After ``PPOActor.compute_advantages`` the batch
-    also holds ``advantages`` and has ``loss_mask`` / ``logprobs`` rolled by -1: pass
-    ``after_advantages=True`` (it is detected from a per-token ``advantages`` by default).
-    The prompt length is the position of the first ``loss_mask`` token.
+    also holds ``advantages`` and has ``loss_mask`` / ``logprobs`` rolled by -1: the caller says
+    which with ``rolled=`` (required). The prompt length is the position of the first ``loss_mask`` token.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -84,19 +88,45 @@ def _array(value: Any, where: str) -> np.ndarray:
     raise RolloutInputError(f"{where}: unsupported value of type {type(value).__name__}")
 
 
-def _columns(d: Mapping[str, Any], framework: str, ignore: Iterable[str]) -> dict[str, np.ndarray]:
-    if not isinstance(d, Mapping):
-        raise RolloutInputError(f"{framework} batch: expected a dict of tensors, got {type(d).__name__}")
+def _items(d: Any, framework: str) -> dict[str, Any]:
+    """The entries of a dict, a ``TensorDict`` or a verl ``DataProto`` (its ``batch`` and ``non_tensor_batch``).
+
+    A ``TensorDict``'s ``NonTensorData`` entries are batch-level metadata (verl's ``temperature``,
+    ``max_seq_len``, ...) and are left out; its ``NonTensorStack`` entries are per trajectory.
+    Duck-typed: neither verl nor tensordict is imported.
+    """
+    if hasattr(d, "non_tensor_batch") and hasattr(d, "batch") and hasattr(d, "meta_info"):  # verl DataProto
+        items = {} if d.batch is None else _items(d.batch, framework)
+        items.update(d.non_tensor_batch or {})
+        return items
+    if hasattr(d, "batch_size") and hasattr(d, "items") and hasattr(d, "keys"):  # TensorDict (before Mapping: it is one)
+        items = {}
+        for key, value in d.items():
+            kind = type(value).__name__
+            if kind == "NonTensorData":
+                logger.info("%s batch: key '%s' is batch-level metadata, not per trajectory; left out", framework, key)
+            elif kind == "NonTensorStack":
+                items[key] = value.tolist()
+            else:
+                items[key] = value
+        return items
+    if isinstance(d, Mapping):
+        return dict(d)
+    raise RolloutInputError(f"{framework} batch: expected a dict of tensors, a TensorDict or a DataProto, got {type(d).__name__}")
+
+
+def _columns(d: Any, framework: str, ignore: Iterable[str]) -> dict[str, np.ndarray]:
     skipped = set(ignore)
-    unknown = sorted(skipped - set(d))
+    items = _items(d, framework)
+    unknown = sorted(skipped - set(items))
     if unknown:
         import difflib
 
-        close = difflib.get_close_matches(unknown[0], [str(key) for key in d], n=1)
-        hint = f"did you mean '{close[0]}'?" if close else f"keys: {', '.join(sorted(map(str, d)))}"
+        close = difflib.get_close_matches(unknown[0], [str(key) for key in items], n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"keys: {', '.join(sorted(map(str, items)))}"
         raise RolloutInputError(f"{framework} batch: --ignore '{unknown[0]}' names no key of the batch; {hint}")
     out = {}
-    for key, value in d.items():
+    for key, value in items.items():
         if key in skipped or value is None:
             continue
         array = _array(value, f"{framework} batch, key '{key}'")
@@ -232,10 +262,83 @@ _VERL_RENAMES = {"ref_log_prob": "ref_log_probs", "rollout_log_probs": ROLLOUT_L
 _VERL_STRUCTURE = {"input_ids", "attention_mask", "position_ids", "responses", "prompts", "response_mask", "loss_mask", ROUTED_EXPERTS}
 
 
-def from_verl(d: Mapping[str, Any], *, ignore: Iterable[str] = ()) -> RolloutBatch:
-    """A batch from verl's padded ``DataProto.batch`` (see the module docstring); ``ignore`` names keys to leave out."""
+def _ragged(array: np.ndarray) -> bool:
+    """True for a list of per-trajectory rows (a nested tensor's rows), not of strings."""
+    return array.dtype == object and array.ndim == 1 and not any(isinstance(v, (str, bytes)) for v in array)
+
+
+def _padded_rows(rows: list[np.ndarray], width: int, left: bool) -> np.ndarray:
+    """Rows of different lengths, left- or right-padded with 0 to ``width`` columns."""
+    trailing, dtype = (rows[0].shape[1:], rows[0].dtype) if rows else ((), np.int64)
+    out = np.zeros((len(rows), width, *trailing), dtype=dtype)
+    for b, row in enumerate(rows):
+        if left:
+            out[b, width - len(row) :] = row
+        else:
+            out[b, : len(row)] = row
+    return out
+
+
+def _verl_attention(columns: dict[str, np.ndarray]) -> np.ndarray:
+    """The [B, P + R] attention mask of a batch without one: from its nested ``prompts`` and ``responses``."""
+    prompts, responses = columns.get("prompts"), columns.get("responses")
+    if prompts is None or responses is None or not (_ragged(prompts) and _ragged(responses)):
+        raise RolloutInputError(
+            "verl batch: nested 'input_ids' need the padded 'attention_mask' (as left_right_2_no_padding keeps it) "
+            "or nested 'prompts' and 'responses' to find each prompt/response boundary"
+        )
+    prompt_rows, response_rows = [np.asarray(r) for r in prompts], [np.asarray(r) for r in responses]
+    prompt_width = max((len(r) for r in prompt_rows), default=0)
+    width = max((len(r) for r in response_rows), default=0)
+    columns["prompts"] = _padded_rows(prompt_rows, prompt_width, left=True)
+    columns["responses"] = _padded_rows(response_rows, width, left=False)
+    ones = [np.ones(len(r), np.int64) for r in prompt_rows], [np.ones(len(r), np.int64) for r in response_rows]
+    return np.concatenate([_padded_rows(ones[0], prompt_width, left=True), _padded_rows(ones[1], width, left=False)], axis=1)
+
+
+def _verl_padded(columns: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """verl's worker-side batch (nested ``input_ids`` / ``position_ids`` / ... as its engines receive it,
+    ``verl/workers/utils/padding.py``: ``left_right_2_no_padding``) scattered back into the padded form.
+
+    A nested row of ``len_i`` entries fills the valid columns of ``attention_mask`` (the tokens
+    ``unpad_input`` took them from); a nested row of ``R_i`` entries is a right-padded response field.
+    """
+    if "input_ids" not in columns or not _ragged(columns["input_ids"]):
+        return columns
+    columns = dict(columns)
+    attention = columns["attention_mask"] if "attention_mask" in columns else _verl_attention(columns)
+    columns["attention_mask"] = attention
+    valid = attention.astype(bool)
+    responses = columns.get("responses")
+    if responses is None or _ragged(responses):
+        raise RolloutInputError("verl batch: nested 'input_ids' need 'responses' beside them")
+    prompt_width = attention.shape[1] - responses.shape[1]
+    response_lengths = valid[:, prompt_width:].sum(axis=1)
+    for key, array in list(columns.items()):
+        if not _ragged(array) or key == "attention_mask":
+            continue
+        rows = [np.asarray(row) for row in array]
+        if len(rows) != len(valid):
+            raise RolloutInputError(f"verl batch, key '{key}': {len(rows)} nested rows for {len(valid)} trajectories")
+        if all(len(row) == int(v.sum()) for row, v in zip(rows, valid)):
+            dense = np.zeros((len(rows), valid.shape[1], *rows[0].shape[1:]), dtype=rows[0].dtype)
+            for b, row in enumerate(rows):
+                dense[b, valid[b]] = row
+        elif all(len(row) == int(n) for row, n in zip(rows, response_lengths)):
+            dense = _padded_rows(rows, responses.shape[1], left=False)
+        else:
+            raise RolloutInputError(
+                f"verl batch, key '{key}': nested rows match neither each trajectory's tokens nor its response"
+            )
+        columns[key] = dense
+    return columns
+
+
+def from_verl(d: Any, *, ignore: Iterable[str] = ()) -> RolloutBatch:
+    """A batch from verl: a padded ``DataProto`` (or its ``batch``), or the nested ``TensorDict`` its engine
+    workers receive (see the module docstring); ``ignore`` names keys to leave out."""
     framework = "verl"
-    columns = _columns(d, framework, ignore)
+    columns = _verl_padded(_columns(d, framework, ignore))
     input_ids = _token_ids(_require(columns, "input_ids", framework), "input_ids", framework)
     attention = _require(columns, "attention_mask", framework)
     responses = _token_ids(_require(columns, "responses", framework), "responses", framework)
@@ -429,8 +532,59 @@ def _flat(array: np.ndarray, form: str, key: str, token_count: int, trailing: in
     return flat
 
 
-def from_areal(d: Mapping[str, Any], *, after_advantages: bool | None = None, ignore: Iterable[str] = ()) -> RolloutBatch:
-    """A batch from an AReaL batch: padded, packed with ``cu_seqlens``, or one row per trajectory (see the module docstring)."""
+def _areal_entry(item: Any, index: int, ignore: Iterable[str]) -> dict[str, list[Any]]:
+    """One entry of AReaL's ``list[dict]``: right-padded ``[g, S]`` tensors (or one unpadded ``[S]`` trajectory)."""
+    skipped = set(ignore)
+    columns = {key: _array(value, f"areal batch, entry {index}, key '{key}'")
+               for key, value in _items(item, "areal").items() if key not in skipped and value is not None}
+    ids = _require(columns, "input_ids", "areal")
+    if ids.ndim == 1:  # one trajectory: its per-token values are [S], its scalars belong to it
+        columns = {key: (array[None] if array.ndim >= 1 and len(array) == len(ids) else array.reshape(1, *array.shape))
+                   for key, array in columns.items()}
+        ids = columns["input_ids"]
+    attention = columns.pop("attention_mask", np.ones_like(ids))
+    _check_shape(attention, ids.shape, "attention_mask", "areal")
+    lengths = [_run(attention[g], left=False, where=f"areal batch, entry {index}, row {g}: attention_mask") for g in range(len(ids))]
+    rows: dict[str, list[Any]] = {}
+    for key, array in columns.items():
+        if array.ndim >= 2 and array.shape[:2] == ids.shape:
+            rows[key] = [array[g, :n] for g, n in enumerate(lengths)]
+        elif array.ndim >= 1 and len(array) == len(ids):
+            rows[key] = list(array)
+        else:
+            raise RolloutInputError(f"areal batch, entry {index}, key '{key}': shape {list(array.shape)} fits neither its tokens nor its rows")
+    return rows
+
+
+def _areal_list(items: Sequence[Any], ignore: Iterable[str]) -> dict[str, np.ndarray]:
+    """AReaL 1.0.4's ``list[dict]`` batch (one dict per trajectory or group, as ``concat_batch`` in
+    ``areal/utils/data.py`` takes it) as one unpadded row per trajectory."""
+    if not items:
+        raise RolloutInputError("areal batch: an empty list")
+    rows: dict[str, list[Any]] = {}
+    for index, item in enumerate(items):
+        entry = _areal_entry(item, index, ignore)
+        if rows and set(entry) != set(rows):
+            differ = ", ".join(sorted(set(entry) ^ set(rows)))
+            raise RolloutInputError(f"areal batch, entry {index}: keys differ from entry 0 ({differ})")
+        for key, values in entry.items():
+            rows.setdefault(key, []).extend(values)
+    ragged = {key for key, values in rows.items() if np.ndim(values[0]) >= 1}
+    return {key: np.array(values + [None], dtype=object)[:-1] if key in ragged else np.asarray(values) for key, values in rows.items()}
+
+
+def from_areal(d: Any, *, rolled: bool, ignore: Iterable[str] = ()) -> RolloutBatch:
+    """A batch from AReaL: padded, packed with ``cu_seqlens``, one row per trajectory, or AReaL's ``list[dict]``.
+
+    ``rolled`` says whether ``PPOActor.compute_advantages`` has run on the batch (``loss_mask`` and
+    ``logprobs`` rolled by -1, ``advantages`` next-token aligned): True for what ``ppo_update`` and
+    the engine's ``train_batch`` receive, False for workflow output. It is not guessed, since
+    nothing in the batch tells a rolled ``loss_mask`` from an unrolled one. See the module docstring.
+    """
+    if not isinstance(rolled, bool):
+        raise RolloutInputError(f"from_areal: rolled= must be True or False, got {rolled!r}")
+    if isinstance(d, (list, tuple)):
+        d, ignore = _areal_list(d, ignore), ()  # the ignored keys are left out entry by entry
     framework = "areal"
     columns = _columns(d, framework, ignore)
     token_rows, form = _areal_rows(columns)
@@ -449,9 +603,7 @@ def from_areal(d: Mapping[str, Any], *, after_advantages: bool | None = None, ig
         flat = _flat(array, form, key, token_count)
         if flat is not None:
             per_token[key] = flat
-    if after_advantages is None:
-        after_advantages = "advantages" in per_token
-    next_token = _AREAL_NEXT_TOKEN | (_AREAL_AFTER_ADVANTAGES if after_advantages else set())
+    next_token = _AREAL_NEXT_TOKEN | (_AREAL_AFTER_ADVANTAGES if rolled else set())
     routed = columns.get(ROUTED_EXPERTS)
     flat_routed = None if routed is None else _flat(routed, form, ROUTED_EXPERTS, token_count, trailing=2)
     if "loss_mask" not in per_token:

@@ -47,20 +47,20 @@ def test_convert_a_truncated_pt_file(tmp_path):
 def test_convert_latin1_jsonl(tmp_path):
     path = tmp_path / "latin.jsonl"
     path.write_bytes('{"input_ids": [1, 2], "note": "caf\xe9"}\n'.encode("latin-1"))
-    assert_user_error(["convert", path, "--from", "areal", "-o", tmp_path / "o.jsonl"], "latin.jsonl, line 1: not UTF-8 text")
+    assert_user_error(["convert", path, "--from", "areal", "--not-rolled", "-o", tmp_path / "o.jsonl"], "latin.jsonl, line 1: not UTF-8 text")
 
 
 def test_convert_deeply_nested_jsonl(tmp_path):
     path = tmp_path / "deep.jsonl"
     path.write_text("[" * 100_000 + "]" * 100_000 + "\n")
-    assert_user_error(["convert", path, "--from", "areal", "-o", tmp_path / "o.jsonl"], "deep.jsonl, line 1: nested too deeply")
+    assert_user_error(["convert", path, "--from", "areal", "--not-rolled", "-o", tmp_path / "o.jsonl"], "deep.jsonl, line 1: nested too deeply")
 
 
 def test_convert_a_ragged_column(tmp_path):
     path = tmp_path / "ragged.jsonl"
     rows = [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "x": [1, 2, 3]}, {"input_ids": [1, 2], "loss_mask": [0, 1], "x": [[1], [2]]}]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    assert_user_error(["convert", path, "--from", "areal", "-o", tmp_path / "o.jsonl"], "key 'x': its rows are ragged")
+    assert_user_error(["convert", path, "--from", "areal", "--not-rolled", "-o", tmp_path / "o.jsonl"], "key 'x': its rows are ragged")
 
 
 def test_convert_an_ignore_typo(tmp_path):

@@ -77,8 +77,13 @@ def test_convert_trl_and_areal_rows(tmp_path, framework):
     source = tmp_path / "rows.jsonl"
     write_rows(source, d)
     table = tmp_path / "table.jsonl"
-    assert convert(framework, source, table).exit_code == 0
-    assert harts.RolloutBatch.read(table).content_hash() == importer(read_framework_file(source)).content_hash()
+    extra, options = (("--not-rolled",), {"rolled": False}) if framework == "areal" else ((), {})
+    result = convert(framework, source, table, *extra)
+    assert result.exit_code == 0, result.output
+    assert harts.RolloutBatch.read(table).content_hash() == importer(read_framework_file(source), **options).content_hash()
+    if framework == "areal":  # whether compute_advantages rolled the batch is said, never guessed
+        result = convert(framework, source, tmp_path / "other.jsonl")
+        assert result.exit_code == 2 and "--rolled or --not-rolled" in result.output
 
 
 def test_convert_refuses_foreign_outputs_and_names_bad_input(tmp_path):

@@ -42,9 +42,9 @@ def hand_nemo(values, lengths, total):
 def hand_areal(values, lengths):
     out = []
     for value, length in zip(values, lengths):
-        out.append(torch.zeros((), dtype=value.dtype))  # token 0 has no log-prob
-        for t in range(1, length):
-            out.append(value[t - 1])  # entry t: log p(token t | tokens < t)
+        for t in range(length):
+            # entry t: log p(token t + 1 | tokens <= t), as AReaL's engine gathers at roll(input_ids, -1)
+            out.append(value[t] if t < length - 1 else torch.zeros((), dtype=value.dtype))
     return torch.stack(out)
 
 
@@ -155,7 +155,7 @@ def test_token_fields_share_the_slots_of_the_log_probs():
     assert torch.equal(nemo.mask, torch.tensor([[True, True, True, False], [True, True, False, False]]))
     areal = layout_spec(batch, "areal")
     assert areal.cu_seqlens.tolist() == [0, 4, 7] and areal.cu_seqlens.dtype == torch.int32
-    assert torch.equal(areal.token_field(old), torch.tensor([0.0, 0.1, 0.2, 0.3, 0.0, 0.4, 0.5], dtype=torch.float64))
+    assert torch.equal(areal.token_field(old), torch.tensor([0.1, 0.2, 0.3, 0.0, 0.4, 0.5, 0.0], dtype=torch.float64))
     nested = layout_spec(batch, "nested")
     assert [r.tolist() for r in nested.token_field(old).unbind()] == [[0.1, 0.2, 0.3, 0.0], [0.4, 0.5, 0.0]]
     assert [r.tolist() for r in nested.mask.unbind()] == [[True, True, True, False], [True, True, False]]

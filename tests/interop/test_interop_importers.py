@@ -99,15 +99,21 @@ def test_areal_positions_round_trip_exactly(episodes, form):
     packed = areal_packed(padded)
     d = {"rows": {k: [r[k] for r in rows] if k != "rewards" else np.array([r[k] for r in rows]) for k in rows[0]},
          "padded": padded, "packed": packed}[form]
-    batch = from_areal(d)
+    batch = from_areal(d, rolled=False)
     assert_episodes(batch, episodes)
     spec = layout_spec(batch, "areal")
     assert torch.equal(spec.cu_seqlens, torch.as_tensor(packed["cu_seqlens"]))
-    generated = torch.as_tensor(packed["loss_mask"]).bool()
+
+    def rolled(key):  # what PPOActor.compute_advantages makes of a token-aligned field: rolled by -1 per row
+        return torch.as_tensor(np.concatenate([np.roll(row, -1) for row in d_rows[key]]))
+
+    d_rows = {key: [r[key] for r in rows] for key in ("loss_mask", "logprobs", "versions")}
+    generated = rolled("loss_mask").bool()
     laid_out = to_layout([torch.as_tensor(v, dtype=torch.float32) for v in values], batch, "areal")
-    assert torch.equal(laid_out[generated], torch.as_tensor(packed["logprobs"])[generated])
-    assert torch.equal(spec.token_field(batch.token_fields["rollout_logprobs"]), torch.as_tensor(packed["logprobs"]))
-    assert torch.equal(spec.token_field(batch.token_fields["versions"]), torch.as_tensor(packed["versions"]))
+    assert torch.equal(laid_out[generated], rolled("logprobs")[generated])
+    assert torch.equal(spec.token_field(batch.loss_mask).bool(), generated)
+    assert torch.equal(spec.token_field(batch.token_fields["rollout_logprobs"])[generated], rolled("logprobs")[generated])
+    assert torch.equal(spec.token_field(batch.token_fields["versions"])[spec.mask], rolled("versions")[spec.mask])
     assert np.array_equal(batch.trajectory_fields["rewards"], packed["rewards"])
 
 
@@ -115,20 +121,20 @@ def test_areal_engine_outputs_and_rolled_batches_are_shifted_to_token_alignment(
     episodes = fixed_episodes()
     values = random_values(episodes)
     padded = areal_padded(areal_rows(episodes, values))
-    token_aligned = [np.asarray(t) for t in from_areal(padded).token_fields["rollout_logprobs"]]
+    token_aligned = [np.asarray(t) for t in from_areal(padded, rolled=False).token_fields["rollout_logprobs"]]
     # prox_logp from the engine: entry t scores token t + 1 (gathered at roll(input_ids, -1))
     engine = dict(padded, prox_logp=np.roll(padded["logprobs"], -1, axis=1))
-    batch = from_areal(engine)
+    batch = from_areal(engine, rolled=False)
     for mine, want in zip(batch.token_fields["old_log_probs"], token_aligned):
         assert np.array_equal(mine, want)
     # after PPOActor.compute_advantages: loss_mask and logprobs rolled by -1, advantages next-token aligned
     rolled = {k: (np.roll(v, -1, axis=1) if k in ("loss_mask", "logprobs") else v) for k, v in padded.items()}
     rolled["advantages"] = np.roll(padded["loss_mask"].astype(np.float32), -1, axis=1) * 2.0
-    after = from_areal(rolled)
+    after = from_areal(rolled, rolled=True)
     assert [m.tolist() for m in after.loss_mask] == [[float(g) for g in generated] for _, generated, _ in episodes]
     for mine, mask in zip(after.token_fields["advantages"], after.loss_mask):
         assert np.array_equal(mine, 2.0 * mask)
-    assert from_areal(rolled, after_advantages=False).loss_mask[0].tolist() != after.loss_mask[0].tolist()
+    assert from_areal(rolled, rolled=False).loss_mask[0].tolist() != after.loss_mask[0].tolist()
 
 
 # ------------------------------------------------------------------------ with a model
@@ -158,7 +164,10 @@ def test_plan_log_probs_in_the_framework_layout_equal_the_framework_forward(fram
         mask = d["completion_mask"]
     else:
         d = areal_packed(areal_padded(areal_rows(episodes, values)))
-        batch, key, width = from_areal(d), "logprobs", None
+        batch, key, width = from_areal(d, rolled=False), "logprobs", None
+        # AReaL's loss reads next-token-aligned log-probs beside the loss mask rolled by -1 per trajectory
+        cu = d["cu_seqlens"]
+        d = dict(d, **{k: np.concatenate([np.roll(d[k][a:b], -1) for a, b in zip(cu[:-1], cu[1:])]) for k in ("logprobs", "loss_mask")})
         mask = d["loss_mask"]
     plan = harts.compile(batch, capacity=60, chunk_size=CHUNK)
     assert plan.stats["compact_tokens"] < plan.stats["semantic_tokens"]  # the rollouts share prompts and turns
@@ -204,7 +213,7 @@ def test_importers_name_the_row_and_key():
         from_trl(broken)
     a = areal_packed(areal_padded(areal_rows(episodes, values)))
     with pytest.raises(RolloutInputError, match="'cu_seqlens'"):
-        from_areal(dict(a, cu_seqlens=a["cu_seqlens"][:-1]))
+        from_areal(dict(a, cu_seqlens=a["cu_seqlens"][:-1]), rolled=False)
     assert GARBAGE not in np.concatenate(from_verl(d).token_fields["old_log_probs"])  # padding never leaks in
 
 

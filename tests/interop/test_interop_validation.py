@@ -53,7 +53,7 @@ def test_areal_padded_attention_mask_of_minus_one_is_refused():
     attention = np.asarray(a["attention_mask"]).copy()
     attention[0, 0] = -1
     with pytest.raises(RolloutInputError, match="row 0: attention_mask: column 0 is -1"):
-        from_areal(dict(a, attention_mask=attention))
+        from_areal(dict(a, attention_mask=attention), rolled=False)
 
 
 @pytest.mark.parametrize("bad", [2.7, np.nan, np.inf])
@@ -62,13 +62,13 @@ def test_areal_cu_seqlens_that_are_not_whole_numbers_are_refused(bad):
     cu = np.asarray(a["cu_seqlens"]).astype(np.float64)
     cu[1] = bad
     with pytest.raises(RolloutInputError, match="'cu_seqlens': entry 1 is .*not a whole number"):
-        from_areal(dict(a, cu_seqlens=cu))
+        from_areal(dict(a, cu_seqlens=cu), rolled=False)
 
 
 def test_areal_cu_seqlens_as_whole_floats_read_as_integers():
     a = areal_packed(areal_padded(areal_rows(EPISODES, values_for(EPISODES))))
-    exact = from_areal(a)
-    floats = from_areal(dict(a, cu_seqlens=np.asarray(a["cu_seqlens"]).astype(np.float64)))
+    exact = from_areal(a, rolled=False)
+    floats = from_areal(dict(a, cu_seqlens=np.asarray(a["cu_seqlens"]).astype(np.float64)), rolled=False)
     assert [t.tolist() for t in exact.tokens] == [t.tolist() for t in floats.tokens]
 
 
