@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import harts.rollouts.nodetable as harts_nodetable
+import harts.rollouts.nodetable.write as node_table_writer
 from harts import RolloutBatch
 from harts.errors import RolloutInputError
 from harts.rollouts import node_table_records, read_node_table, read_node_table_records, write_node_table
@@ -338,7 +338,7 @@ def test_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch
         raise OSError("disk full")
 
     writer = "_write_jsonl" if suffix == ".jsonl" else "_write_parquet"
-    monkeypatch.setattr(harts_nodetable, writer, fail_halfway)
+    monkeypatch.setattr(node_table_writer, writer, fail_halfway)
     other = RolloutBatch.from_trajectories([[5, 6, 7]])
     with pytest.raises(OSError, match="disk full"):
         write_node_table(other, path)
