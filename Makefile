@@ -21,6 +21,9 @@ AREAL_PACKAGES = areal==1.0.4 hydra-core==1.4.0.dev1 aiohttp==3.14.5 multidict==
 	platformdirs==4.14.5 opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 tensorboardX==2.6.5 tabulate==0.10.0 \
 	pybase64==1.5.1
 FRAMEWORK_PACKAGES ?= $(TRL_PACKAGES) $(VERL_PACKAGES) $(AREAL_PACKAGES)
+# What those modules import beyond .[dev] on a fresh machine (found in a clean venv), installed with their
+# own dependencies: none of them pulls torch or transformers.
+FRAMEWORK_IMPORTS ?= orjson==3.13.0 requests==2.34.2 jsonschema==4.26.0 cloudpickle==3.1.3 flask==3.1.3 sniffio==1.3.1
 
 .PHONY: setup demo test bench-cpu
 
@@ -31,6 +34,7 @@ setup:
 		$(PYTHON) -m pip install -q --no-deps --only-binary=:all: --python-version 3.12 --ignore-requires-python \
 			--upgrade --target "$(SITE_PACKAGES)" "megatron-core==$(MEGATRON_CORE_VERSION)"
 	@$(PYTHON) -m pip install -q --no-deps $(FRAMEWORK_PACKAGES)
+	@$(PYTHON) -m pip install -q $(FRAMEWORK_IMPORTS)
 
 demo: setup
 	$(PYTHON) -m harts run
