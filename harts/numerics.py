@@ -40,7 +40,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _block_logits(hidden_block, weight, bias, dtype):
+def block_logits(hidden_block, weight, bias, dtype):
     """One block's logits; ``weight`` and ``bias`` are already in ``dtype``."""
     logits = hidden_block.to(dtype) @ weight.t()
     if bias is not None:
@@ -55,7 +55,7 @@ def _head_in(dtype, weight, bias):
     return weight.to(dtype), (None if bias is None else bias.to(dtype))
 
 
-def _blocks(num_rows: int, row_chunk: int):
+def row_blocks(num_rows: int, row_chunk: int):
     for start in range(0, num_rows, row_chunk):
         yield start, min(num_rows, start + row_chunk)
 
@@ -78,8 +78,8 @@ class CompactLogProbs(torch.autograd.Function):
         entropy_rows = hidden.new_empty(num_rows, dtype=dtype) if with_entropy else None
         target_logits = hidden.new_empty(rows.shape[0], dtype=dtype)
         head_weight, head_bias = _head_in(dtype, weight, bias)
-        for block, (start, end) in enumerate(_blocks(num_rows, row_chunk)):
-            logits = _block_logits(hidden[start:end], head_weight, head_bias, dtype)  # [b, V]
+        for block, (start, end) in enumerate(row_blocks(num_rows, row_chunk)):
+            logits = block_logits(hidden[start:end], head_weight, head_bias, dtype)  # [b, V]
             block_lse = torch.logsumexp(logits, dim=-1)
             lse[start:end] = block_lse
             if with_entropy:
@@ -98,57 +98,77 @@ class CompactLogProbs(torch.autograd.Function):
         ctx.block_bounds = block_bounds
         ctx.row_chunk = row_chunk
         ctx.with_entropy = with_entropy
-        ctx.has_bias = bias is not None
         return log_probs, entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_log_probs, grad_entropy):
         hidden, weight, bias, rows, targets, lse, order, sorted_rows = ctx.saved_tensors
-        dtype = lse.dtype
-        num_rows = hidden.shape[0]
-        row_grad = torch.zeros(num_rows, dtype=dtype, device=hidden.device)
-        if grad_log_probs is not None:
-            grad_log_probs = grad_log_probs.to(dtype)
-            row_grad.index_add_(0, rows, grad_log_probs)
-        entropy_grad = None
-        if ctx.with_entropy and grad_entropy is not None:
-            entropy_grad = torch.zeros(num_rows, dtype=dtype, device=hidden.device)
-            entropy_grad.index_add_(0, rows, grad_entropy.to(dtype))
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
-        grad_bias = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if (need_bias and ctx.has_bias) else None
-        head_weight, head_bias = _head_in(dtype, weight, bias)
-        for block, (start, end) in enumerate(_blocks(num_rows, ctx.row_chunk)):
-            block_hidden = hidden[start:end].to(dtype)
-            logits = _block_logits(block_hidden, head_weight, head_bias, dtype)
-            probs = torch.exp(logits - lse[start:end, None])
-            grad_logits = probs * (-row_grad[start:end, None])
-            if entropy_grad is not None:
-                expected = (probs * logits).sum(-1, keepdim=True)
-                grad_logits -= entropy_grad[start:end, None] * probs * (logits - expected)
-            del logits, probs
-            first, last = ctx.block_bounds[block], ctx.block_bounds[block + 1]
-            if grad_log_probs is not None and last > first:
-                positions = order[first:last]
-                grad_logits.index_put_(
-                    (sorted_rows[first:last] - start, targets.index_select(0, positions)),
-                    grad_log_probs.index_select(0, positions),
-                    accumulate=True,
-                )
-            if grad_hidden is not None:
-                grad_hidden[start:end] = (grad_logits @ head_weight).to(hidden.dtype)
-            if grad_weight is not None:
-                grad_weight += grad_logits.t() @ block_hidden
-            if grad_bias is not None:
-                grad_bias += grad_logits.sum(0)
-            del grad_logits
+        grads = head_backward(
+            hidden, weight, bias, ctx.needs_input_grad[:3], rows=rows, lse=lse, grad_log_probs=grad_log_probs,
+            grad_entropy=grad_entropy if ctx.with_entropy else None, expected=None, target_columns=targets, owned=None,
+            order=order, sorted_rows=sorted_rows, bounds=ctx.block_bounds, row_chunk=ctx.row_chunk,
+        )
+        return (*grads, None, None, None, None)
+
+
+def head_backward(hidden, weight, bias, needs, *, rows, lse, grad_log_probs, grad_entropy, expected, target_columns,
+                  owned, order, sorted_rows, bounds, row_chunk):
+    """Gradients (hidden, weight, bias) of compact log-probs and entropies through an LM head, whole or one
+    vocabulary shard of it, recomputing its logits block by block of ``row_chunk`` rows.
+
+    ``lse`` [C] is each row's normaliser over the whole vocabulary and ``expected`` [C] its E_p[z] over
+    the whole vocabulary (None: taken from the block's own logits, exact when the head is whole);
+    ``target_columns`` [P] is each position's target column in this head and ``owned`` [P] (None: all)
+    whether this head holds that column. ``order`` / ``sorted_rows`` / ``bounds`` place the positions
+    by row block, as the forward sorted them. ``needs``: which of hidden, weight, bias want gradients.
+    """
+    dtype = lse.dtype
+    num_rows = hidden.shape[0]
+    row_grad = torch.zeros(num_rows, dtype=dtype, device=hidden.device)
+    if grad_log_probs is not None:
+        grad_log_probs = grad_log_probs.to(dtype)
+        row_grad.index_add_(0, rows, grad_log_probs)
+        if owned is not None:  # a target another shard holds gets its one-hot term there
+            grad_log_probs = torch.where(owned, grad_log_probs, 0.0)
+    entropy_grad = None
+    if grad_entropy is not None:
+        entropy_grad = torch.zeros(num_rows, dtype=dtype, device=hidden.device)
+        entropy_grad.index_add_(0, rows, grad_entropy.to(dtype))
+    need_hidden, need_weight, need_bias = needs
+    grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+    grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
+    grad_bias = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if (need_bias and bias is not None) else None
+    head_weight, head_bias = _head_in(dtype, weight, bias)
+    for block, (start, end) in enumerate(row_blocks(num_rows, row_chunk)):
+        block_hidden = hidden[start:end].to(dtype)
+        logits = block_logits(block_hidden, head_weight, head_bias, dtype)
+        probs = torch.exp(logits - lse[start:end, None])
+        grad_logits = probs * (-row_grad[start:end, None])
+        if entropy_grad is not None:
+            block_expected = (probs * logits).sum(-1, keepdim=True) if expected is None else expected[start:end, None]
+            grad_logits -= entropy_grad[start:end, None] * probs * (logits - block_expected)
+        del logits, probs
+        first, last = bounds[block], bounds[block + 1]
+        if grad_log_probs is not None and last > first:
+            positions = order[first:last]
+            grad_logits.index_put_(
+                (sorted_rows[first:last] - start, target_columns.index_select(0, positions)),
+                grad_log_probs.index_select(0, positions),
+                accumulate=True,
+            )
+        if grad_hidden is not None:
+            grad_hidden[start:end] = (grad_logits @ head_weight).to(hidden.dtype)
         if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
+            grad_weight += grad_logits.t() @ block_hidden
         if grad_bias is not None:
-            grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+            grad_bias += grad_logits.sum(0)
+        del grad_logits
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(weight.dtype)
+    if grad_bias is not None:
+        grad_bias = grad_bias.to(bias.dtype)
+    return grad_hidden, grad_weight, grad_bias
 
 
 def compact_log_probs(

@@ -26,19 +26,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from harts.numerics import compute_dtype, default_row_chunk
+from harts.numerics import block_logits, compute_dtype, default_row_chunk, head_backward, row_blocks
 
 __all__ = ["vocab_parallel_compact_log_probs"]
-
-
-def _blocks(num_rows: int, row_chunk: int):
-    for start in range(0, num_rows, row_chunk):
-        yield start, min(num_rows, start + row_chunk)
-
-
-def _shard_logits(hidden_block, weight, bias, dtype):
-    logits = hidden_block.to(dtype) @ weight.t()
-    return logits if bias is None else logits + bias
 
 
 def _row_blocks(rows: torch.Tensor, num_rows: int, row_chunk: int):
@@ -54,6 +44,7 @@ class VocabParallelCompactLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, rows, targets, vocab_start, with_entropy, row_chunk, group):
+        ctx.set_materialize_grads(False)  # a measured-only entropy reaches backward as None (as in harts.numerics)
         dtype = compute_dtype(hidden.dtype)
         num_rows, shard = hidden.shape[0], weight.shape[0]
         head_weight = weight.to(dtype)
@@ -65,8 +56,8 @@ class VocabParallelCompactLogProbs(torch.autograd.Function):
         column = local_target.clamp(0, shard - 1)
         stats = hidden.new_zeros((2, num_rows), dtype=dtype)  # this shard's [lse_r; E_r[z]] per row
         target_logits = hidden.new_zeros(rows.shape[0], dtype=dtype)
-        for block, (start, end) in enumerate(_blocks(num_rows, row_chunk)):
-            logits = _shard_logits(hidden[start:end], head_weight, head_bias, dtype)
+        for block, (start, end) in enumerate(row_blocks(num_rows, row_chunk)):
+            logits = block_logits(hidden[start:end], head_weight, head_bias, dtype)
             block_lse = torch.logsumexp(logits, dim=-1)
             stats[0, start:end] = block_lse
             if with_entropy:
@@ -90,55 +81,20 @@ class VocabParallelCompactLogProbs(torch.autograd.Function):
         log_probs = target_logits - lse.index_select(0, rows)
         entropy = (lse - expected).index_select(0, rows) if with_entropy else None
         ctx.save_for_backward(hidden, weight, bias, rows, column, owned, lse, expected, order, sorted_rows)
-        ctx.bounds, ctx.row_chunk, ctx.with_entropy, ctx.has_bias = bounds, row_chunk, with_entropy, bias is not None
+        ctx.bounds, ctx.row_chunk, ctx.with_entropy = bounds, row_chunk, with_entropy
         return log_probs, entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_log_probs, grad_entropy):
         hidden, weight, bias, rows, column, owned, lse, expected, order, sorted_rows = ctx.saved_tensors
-        dtype = lse.dtype
-        num_rows = hidden.shape[0]
-        row_grad = torch.zeros(num_rows, dtype=dtype, device=hidden.device)
-        if grad_log_probs is not None:
-            grad_log_probs = grad_log_probs.to(dtype)
-            row_grad.index_add_(0, rows, grad_log_probs)
-            owned_grad = torch.where(owned, grad_log_probs, 0.0)
-        entropy_grad = None
-        if ctx.with_entropy and grad_entropy is not None:
-            entropy_grad = torch.zeros(num_rows, dtype=dtype, device=hidden.device)
-            entropy_grad.index_add_(0, rows, grad_entropy.to(dtype))
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
-        grad_bias = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_bias and ctx.has_bias else None
-        head_weight = weight.to(dtype)
-        head_bias = None if bias is None else bias.to(dtype)
-        for block, (start, end) in enumerate(_blocks(num_rows, ctx.row_chunk)):
-            block_hidden = hidden[start:end].to(dtype)
-            logits = _shard_logits(block_hidden, head_weight, head_bias, dtype)
-            probs = torch.exp(logits - lse[start:end, None])
-            grad_logits = probs * (-row_grad[start:end, None])
-            if entropy_grad is not None:
-                grad_logits -= entropy_grad[start:end, None] * probs * (logits - expected[start:end, None])
-            del logits, probs
-            first, last = ctx.bounds[block], ctx.bounds[block + 1]
-            if grad_log_probs is not None and last > first:
-                positions = order[first:last]
-                grad_logits.index_put_((sorted_rows[first:last] - start, column.index_select(0, positions)),
-                                       owned_grad.index_select(0, positions), accumulate=True)
-            if grad_hidden is not None:
-                grad_hidden[start:end] = (grad_logits @ head_weight).to(hidden.dtype)
-            if grad_weight is not None:
-                grad_weight += grad_logits.t() @ block_hidden
-            if grad_bias is not None:
-                grad_bias += grad_logits.sum(0)
-            del grad_logits
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        if grad_bias is not None:
-            grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+        # this shard's logits against the whole vocabulary's normaliser and E_p[z] (harts.numerics.head_backward)
+        grads = head_backward(
+            hidden, weight, bias, ctx.needs_input_grad[:3], rows=rows, lse=lse, grad_log_probs=grad_log_probs,
+            grad_entropy=grad_entropy if ctx.with_entropy else None, expected=expected, target_columns=column,
+            owned=owned, order=order, sorted_rows=sorted_rows, bounds=ctx.bounds, row_chunk=ctx.row_chunk,
+        )
+        return (*grads, None, None, None, None, None, None)
 
 
 def vocab_parallel_compact_log_probs(
