@@ -171,6 +171,27 @@ def head_backward(hidden, weight, bias, needs, *, rows, lse, grad_log_probs, gra
     return grad_hidden, grad_weight, grad_bias
 
 
+def checked_head_inputs(hidden, weight, rows, targets, *, vocab_size: int, row_chunk: int | None):
+    """The log-prob head's inputs checked (shapes, row and token ranges) and put on ``hidden``'s device as
+    longs, with the row chunk to use: (rows, targets, row_chunk). ``weight`` may be a vocabulary shard."""
+    if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"hidden must be [C, D] and weight [V, D] (or a shard of V); got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if rows.shape != targets.shape or rows.dim() != 1:
+        raise ValueError(f"rows and targets must be 1-D of one length; got {tuple(rows.shape)} and {tuple(targets.shape)}")
+    rows = rows.to(device=hidden.device, dtype=torch.long)
+    targets = targets.to(device=hidden.device, dtype=torch.long)
+    if rows.numel():
+        if int(rows.min()) < 0 or int(rows.max()) >= hidden.shape[0]:
+            raise ValueError(f"rows must lie in [0, {hidden.shape[0]})")
+        if int(targets.min()) < 0 or int(targets.max()) >= vocab_size:
+            bad = int(targets.max()) if int(targets.max()) >= vocab_size else int(targets.min())
+            raise ValueError(f"target token {bad} is outside the vocabulary [0, {vocab_size})")
+    chunk = row_chunk if row_chunk is not None else default_row_chunk(hidden.shape[0], weight.shape[0])
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"row_chunk must be a positive int, got {row_chunk!r}")
+    return rows, targets, chunk
+
+
 def compact_log_probs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -192,21 +213,7 @@ def compact_log_probs(
         log_probs [P] (in at least float32), entropy [P] or None; differentiable w.r.t.
         hidden, weight and bias.
     """
-    if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
-        raise ValueError(f"hidden must be [C, D] and weight [V, D]; got {tuple(hidden.shape)} and {tuple(weight.shape)}")
-    if rows.shape != targets.shape or rows.dim() != 1:
-        raise ValueError(f"rows and targets must be 1-D of one length; got {tuple(rows.shape)} and {tuple(targets.shape)}")
-    rows = rows.to(device=hidden.device, dtype=torch.long)
-    targets = targets.to(device=hidden.device, dtype=torch.long)
-    if rows.numel():
-        if int(rows.min()) < 0 or int(rows.max()) >= hidden.shape[0]:
-            raise ValueError(f"rows must lie in [0, {hidden.shape[0]})")
-        if int(targets.min()) < 0 or int(targets.max()) >= weight.shape[0]:
-            bad = int(targets.max()) if int(targets.max()) >= weight.shape[0] else int(targets.min())
-            raise ValueError(f"target token {bad} is outside the vocabulary [0, {weight.shape[0]})")
-    chunk = row_chunk if row_chunk is not None else default_row_chunk(hidden.shape[0], weight.shape[0])
-    if not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"row_chunk must be a positive int, got {row_chunk!r}")
+    rows, targets, chunk = checked_head_inputs(hidden, weight, rows, targets, vocab_size=weight.shape[0], row_chunk=row_chunk)
     return CompactLogProbs.apply(hidden, weight, bias, rows, targets, bool(with_entropy), chunk)
 
 

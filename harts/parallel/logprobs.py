@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from harts.numerics import block_logits, compute_dtype, default_row_chunk, head_backward, row_blocks
+from harts.numerics import block_logits, checked_head_inputs, compute_dtype, head_backward, row_blocks
 
 __all__ = ["vocab_parallel_compact_log_probs"]
 
@@ -121,21 +121,7 @@ def vocab_parallel_compact_log_probs(
         log_probs [P] and entropy [P] or None, equal on every rank; differentiable w.r.t.
         hidden (this shard's part of its gradient) and the shard.
     """
-    if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
-        raise ValueError(f"hidden must be [C, D] and weight [V/TP, D]; got {tuple(hidden.shape)} and {tuple(weight.shape)}")
-    if rows.shape != targets.shape or rows.dim() != 1:
-        raise ValueError(f"rows and targets must be 1-D of one length; got {tuple(rows.shape)} and {tuple(targets.shape)}")
-    rows = rows.to(device=hidden.device, dtype=torch.long)
-    targets = targets.to(device=hidden.device, dtype=torch.long)
-    if rows.numel():
-        if int(rows.min()) < 0 or int(rows.max()) >= hidden.shape[0]:
-            raise ValueError(f"rows must lie in [0, {hidden.shape[0]})")
-        if int(targets.min()) < 0 or int(targets.max()) >= vocab_size:
-            bad = int(targets.max()) if int(targets.max()) >= vocab_size else int(targets.min())
-            raise ValueError(f"target token {bad} is outside the vocabulary [0, {vocab_size})")
-    chunk = row_chunk if row_chunk is not None else default_row_chunk(hidden.shape[0], weight.shape[0])
-    if not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"row_chunk must be a positive int, got {row_chunk!r}")
+    rows, targets, chunk = checked_head_inputs(hidden, weight, rows, targets, vocab_size=vocab_size, row_chunk=row_chunk)
     return VocabParallelCompactLogProbs.apply(
         hidden, weight, bias, rows, targets, int(vocab_start), bool(with_entropy), chunk, group
     )
