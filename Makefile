@@ -23,7 +23,8 @@ AREAL_PACKAGES = areal==1.0.4 hydra-core==1.4.0.dev1 aiohttp==3.14.5 multidict==
 FRAMEWORK_PACKAGES ?= $(TRL_PACKAGES) $(VERL_PACKAGES) $(AREAL_PACKAGES)
 # What those modules import beyond .[dev] on a fresh machine (found in a clean venv), installed with their
 # own dependencies: none of them pulls torch or transformers.
-FRAMEWORK_IMPORTS ?= orjson==3.13.0 requests==2.34.2 jsonschema==4.26.0 cloudpickle==3.1.3 flask==3.1.3 sniffio==1.3.1
+FRAMEWORK_IMPORTS ?= orjson==3.13.0 requests==2.34.2 jsonschema==4.26.0 cloudpickle==3.1.3 flask==3.1.3 sniffio==1.3.1 \
+	pydantic-settings==2.16.3
 
 .PHONY: setup demo test bench-cpu
 
