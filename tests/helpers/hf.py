@@ -140,6 +140,19 @@ def kimi_linear_config(init=0.35, **overrides):
     return transformers.KimiLinearConfig(**values)
 
 
+def tiny_hf_model(architecture: str, dtype: torch.dtype = torch.float64, slow_decay: bool | None = None):
+    """The tiny transformers model of ``architecture`` ("qwen3_next" or "kimi_linear") from seed 0, finished as
+    the equivalence tests use it (:func:`_finish`; slow decays by default outside float64). Not cached:
+    callers that reuse one cache it themselves, since some adjust it."""
+    torch.manual_seed(0)
+    if architecture == "qwen3_next":
+        model = QWEN.Qwen3NextForCausalLM(qwen3_next_config())
+    else:
+        model = KIMI.KimiLinearForCausalLM(kimi_linear_config())
+    slow_decay = dtype != torch.float64 if slow_decay is None else slow_decay
+    return _finish(model, dtype, seed=0, slow_decay=slow_decay)
+
+
 def reference_log_probs(model, trajectories) -> list[torch.Tensor]:
     """Per trajectory, on its own: transformers forward -> log_softmax -> log-prob of each next token."""
     out = []

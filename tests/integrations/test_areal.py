@@ -36,30 +36,14 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from tests.helpers import agent_episodes, areal_padded, areal_rows, fixed_episodes  # noqa: E402
-from tests.helpers.hf import KIMI, QWEN, _finish, kimi_linear_config, qwen3_next_config, reference_log_probs  # noqa: E402
+from tests.helpers.hf import reference_log_probs, tiny_hf_model  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group(tmp_path_factory):
-    if torch.distributed.is_initialized():
-        yield
-        return
-    store = tmp_path_factory.mktemp("dist") / "store"
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    torch.distributed.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("single_thread", "gloo_world_of_one")
 
 
 @functools.lru_cache(maxsize=None)
 def hf_model(architecture: str):
-    torch.manual_seed(0)
-    if architecture == "qwen3_next":
-        model = QWEN.Qwen3NextForCausalLM(qwen3_next_config())
-    else:
-        model = KIMI.KimiLinearForCausalLM(kimi_linear_config())
-    model = _finish(model, torch.float32, seed=0, slow_decay=True)
+    model = tiny_hf_model(architecture, torch.float32)
     model.config._attn_implementation = "sdpa"  # causal without a mask: the packed forward AReaL's engine runs
     return model
 

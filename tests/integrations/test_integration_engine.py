@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import harts
 from harts.integrations.engine import HartsEngine, IntegrationError, scatter_next_token, trajectories_from_padded
 from harts.runtime import log_probs_baseline
-from tests.helpers.hf import KIMI, QWEN, _finish, kimi_linear_config, qwen3_next_config
+from tests.helpers.hf import tiny_hf_model
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func  # noqa: E402
@@ -72,12 +72,7 @@ def test_rows_with_holes_or_without_tokens_are_refused_by_row():
 
 
 def transformers_model(architecture):
-    torch.manual_seed(0)
-    if architecture == "qwen3_next":
-        model = QWEN.Qwen3NextForCausalLM(qwen3_next_config())
-    else:
-        model = KIMI.KimiLinearForCausalLM(kimi_linear_config())
-    return _finish(model, torch.float32, seed=0, slow_decay=True)
+    return tiny_hf_model(architecture, torch.float32)
 
 
 def rollouts(seed=0):

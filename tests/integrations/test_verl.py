@@ -37,9 +37,9 @@ from harts.interop import from_verl  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 
 from tests.helpers import agent_episodes, fixed_episodes, verl_batch  # noqa: E402
-from tests.helpers.hf import KIMI, QWEN, _finish, kimi_linear_config, qwen3_next_config, reference_log_probs  # noqa: E402
+from tests.helpers.hf import reference_log_probs, tiny_hf_model  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = pytest.mark.usefixtures("single_thread", "gloo_world_of_one")
 
 
 class CPUPlatform(PlatformCUDA):
@@ -67,26 +67,9 @@ def cpu_platform():
     platform_manager._current_platform = previous
 
 
-@pytest.fixture(scope="module", autouse=True)
-def process_group(tmp_path_factory):
-    """A one-process gloo group: verl's engines all-reduce the batch's token count over their data-parallel group."""
-    if torch.distributed.is_initialized():
-        yield
-        return
-    store = tmp_path_factory.mktemp("dist") / "store"
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    torch.distributed.destroy_process_group()
-
-
 @functools.lru_cache(maxsize=None)
 def hf_model(architecture: str):
-    torch.manual_seed(0)
-    if architecture == "qwen3_next":
-        model = QWEN.Qwen3NextForCausalLM(qwen3_next_config())
-    else:
-        model = KIMI.KimiLinearForCausalLM(kimi_linear_config())
-    return _finish(model, torch.float32, seed=0, slow_decay=True)
+    return tiny_hf_model(architecture, torch.float32)
 
 
 class _ModelConfig(dict):

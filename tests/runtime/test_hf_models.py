@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 from harts.models import HFModelError, from_hf, hf_key_map, hybrid_config_from_hf, to_hf_config, to_hf_state_dict
 from harts.runtime import BaselineView, HybridConfig, HybridModel
 from tests.helpers import REPO, token_trees
-from tests.helpers.hf import KIMI, QWEN, _finish, _perturb, harts_log_probs, kimi_linear_config, max_log_prob_diff, mean_log_prob_diff, qwen3_next_config, reference_log_probs, transformers, transformers_in_float64
+from tests.helpers.hf import KIMI, QWEN, _finish, _perturb, tiny_hf_model, harts_log_probs, kimi_linear_config, max_log_prob_diff, mean_log_prob_diff, qwen3_next_config, reference_log_probs, transformers, transformers_in_float64
 
 
 CHUNK = 16
@@ -50,13 +50,7 @@ FLOAT32_MEAN_LOG_PROB_ERROR = 1e-5
 @functools.lru_cache(maxsize=None)
 def hf_model(architecture: str, dtype: torch.dtype = torch.float64, slow_decay: bool | None = None):
     """The transformers model of the equivalence tests (slow decays by default in float32 only)."""
-    torch.manual_seed(0)
-    if architecture == "qwen3_next":
-        model = QWEN.Qwen3NextForCausalLM(qwen3_next_config())
-    else:
-        model = KIMI.KimiLinearForCausalLM(kimi_linear_config())
-    slow_decay = dtype != torch.float64 if slow_decay is None else slow_decay
-    return _finish(model, dtype, seed=0, slow_decay=slow_decay)
+    return tiny_hf_model(architecture, dtype, slow_decay)
 
 
 @functools.lru_cache(maxsize=None)
