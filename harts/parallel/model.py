@@ -27,7 +27,6 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, reduce_from_tensor_model_parallel_region
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from harts.errors import HartsError
 from harts.numerics import compute_dtype
@@ -36,7 +35,7 @@ from harts.parallel.logprobs import vocab_parallel_compact_log_probs
 from harts.parallel.mappings import gather_rows, padded_rows, scatter_rows
 from harts.runtime.config import HybridConfig
 from harts.runtime.layers import KimiForgetGate, RMSNorm
-from harts.runtime.model import DecoderLayer, HybridModel
+from harts.runtime.model import DecoderLayer, HybridModel, run_blocks
 from harts.runtime.moe import MoEStats, TopKRouter
 
 __all__ = ["TensorParallelError", "TensorParallelHybridModel", "local_config"]
@@ -298,14 +297,7 @@ class TensorParallelHybridModel(nn.Module):
                 raise ValueError(f"routed_experts must have shape [rows, MoE layers, top_k] = {list(expected)}, "
                                  f"got {list(routed_experts.shape)}")
         x = scatter_rows(self.embed_tokens(ids), self.tensor_parallel_group)
-        per_layer = []
-        for layer in self.layers:
-            if recompute and torch.is_grad_enabled():
-                x, stats = checkpoint(layer, x, view, routed_experts, use_reentrant=False)
-            else:
-                x, stats = layer(x, view, routed_experts)
-            if stats is not None:
-                per_layer.append(stats)
+        x, per_layer = run_blocks(self.layers, x, view, routed_experts, recompute)
         hidden = gather_rows(self.norm(x), self.tensor_parallel_group)[:rows]
         moe = MoEStats.stack(per_layer, rows if per_layer else 0, self.config.num_experts, device=hidden.device,
                              dtype=compute_dtype(hidden.dtype))

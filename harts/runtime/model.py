@@ -84,6 +84,20 @@ class DecoderLayer(nn.Module):
         return x + update, stats
 
 
+def run_blocks(layers, x: torch.Tensor, view, routed_experts, recompute: bool) -> tuple[torch.Tensor, list[MoEStats]]:
+    """Run the decoder blocks in order on ``x``, each under activation checkpointing when ``recompute``
+    and gradients are on; returns the output and the MoE blocks' statistics, in layer order."""
+    per_layer = []
+    for layer in layers:
+        if recompute and torch.is_grad_enabled():
+            x, stats = checkpoint(layer, x, view, routed_experts, use_reentrant=False)
+        else:
+            x, stats = layer(x, view, routed_experts)
+        if stats is not None:
+            per_layer.append(stats)
+    return x, per_layer
+
+
 class HybridModel(nn.Module):
     """Decoder-only hybrid-attention LM built from a :class:`HybridConfig`."""
 
@@ -167,15 +181,7 @@ class HybridModel(nn.Module):
                 raise ModelInputError(
                     f"routed_experts must have shape [rows, MoE layers, top_k] = {list(expected)}, got {list(routed_experts.shape)}"
                 )
-        x = self.embed(input_ids)
-        per_layer = []
-        for layer in self.layers:
-            if recompute and torch.is_grad_enabled():
-                x, stats = checkpoint(layer, x, view, routed_experts, use_reentrant=False)
-            else:
-                x, stats = layer(x, view, routed_experts)
-            if stats is not None:
-                per_layer.append(stats)
+        x, per_layer = run_blocks(self.layers, self.embed(input_ids), view, routed_experts, recompute)
         routed_rows = view.num_rows if per_layer else 0
         aux = MoEStats.stack(
             per_layer, routed_rows, self.config.num_experts, device=x.device, dtype=compute_dtype(x.dtype)
