@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harts.integrations._common import compile_for, hybrid_model_of, land_gradients, sync_weights
+from harts.integrations.engine import SharedModels, compile_for
 from harts.interop import from_areal, layout_spec
 from harts.runtime import microbatch_log_probs
 
@@ -58,15 +58,13 @@ def _rows(data: dict[str, Any], members: list[int], device: torch.device) -> dic
 class HartsPPOActor(FSDPPPOActor):
     """AReaL's FSDP PPO actor with HARTS' prefix-sharing forward and backward (see the module docstring)."""
 
-    _hybrid: nn.Module | None = None
+    _shared_models: SharedModels | None = None
 
     def harts_model(self) -> nn.Module:
-        """The HARTS model of the engine's Hugging Face model, holding its current weights."""
-        if self._hybrid is None:
-            self._hybrid = hybrid_model_of(self.model)
-        sync_weights(self._hybrid, self.model)
-        self._hybrid.train(self.model.training)
-        return self._hybrid
+        """The HARTS model on the engine's Hugging Face model's own tensors (its gradients land there)."""
+        if self._shared_models is None:
+            self._shared_models = SharedModels()
+        return self._shared_models(self.model)
 
     def _capacity(self, batch) -> int:
         """Compact rows per microbatch: ``mb_spec.max_tokens_per_mb``, else the batch's tokens over ``mb_spec.n_mbs``."""
@@ -115,7 +113,6 @@ class HartsPPOActor(FSDPPPOActor):
                 continue
             loss = loss_fn(log_probs, entropy, mb_input)
             (loss * (weight / total * self.parallel_helper.dp_size)).backward()
-        land_gradients(self.harts_model(), self.model)
         stats = self.optimizer_step()
         stats["num_micro_batches"] = count
         return stats

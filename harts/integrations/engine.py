@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "EngineOutput",
+    "SharedModels",
+    "compile_for",
+    "scalar_temperature",
     "HartsEngine",
     "IntegrationError",
     "PlanCache",
@@ -119,6 +122,53 @@ class EngineOutput:
     aux_loss: torch.Tensor | None
 
 
+class SharedModels:
+    """The HARTS model of each framework Hugging Face model, sharing its tensors (:func:`harts.models.share_hf`).
+
+    Built once per model object and rebuilt when the framework replaced that model's tensors
+    (``load_state_dict(assign=True)``, a re-wrapping), so the HARTS model never computes on
+    stale weights and never holds a second copy of them.
+    """
+
+    def __init__(self):
+        self._shared: dict[int, tuple[nn.Module, HybridModel]] = {}
+
+    def __call__(self, hf_model: nn.Module) -> HybridModel:
+        held = self._shared.get(id(hf_model))
+        if held is not None and held[0] is hf_model and is_shared(held[1], hf_model):
+            held[1].train(hf_model.training)
+            return held[1]
+        if held is not None:
+            logger.info("HARTS: %s's tensors were replaced; sharing them again", type(hf_model).__name__)
+        for parameter in hf_model.parameters():
+            if type(parameter).__name__ == "DTensor":  # HARTS' forward does not run FSDP's unsharding hooks
+                raise IntegrationError(
+                    "the framework's model is sharded (FSDP2 DTensor parameters); the HARTS engine runs on the "
+                    "unsharded model (world size 1, or a replicated model) until it gathers shards itself"
+                )
+        model = share_hf(hf_model)
+        model.train(hf_model.training)
+        self._shared[id(hf_model)] = (hf_model, model)
+        return model
+
+
+def scalar_temperature(value, where: str) -> float:
+    """The sampling temperature as one number (HARTS scales one LM head for the whole batch)."""
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().flatten()
+        if flat.numel() == 0 or not bool((flat == flat[0]).all()):
+            raise IntegrationError(f"{where}: per-trajectory temperatures differ; HARTS runs one temperature per batch")
+        return float(flat[0])
+    return float(value)
+
+
+def compile_for(batch: RolloutBatch, capacity: int | None) -> Plan:
+    """One plan for a framework's batch: microbatches of at most ``capacity`` compact rows (all in one when None)."""
+    longest = int(batch.lengths.max(initial=1))
+    capacity = max(int(capacity or batch.semantic_tokens), longest)
+    return compile_plan(batch, capacity=capacity, dp_size=1)
+
+
 class HartsEngine:
     """Shares Hugging Face models, caches plans and runs passes (see the module docstring).
 
@@ -129,19 +179,8 @@ class HartsEngine:
 
     def __init__(self, *, capacity: int | None = None, chunk_size: int = 64, cache_size: int = 4):
         self.plans = PlanCache(capacity=capacity, chunk_size=chunk_size, size=cache_size)
-        self._shared: dict[int, tuple[nn.Module, HybridModel]] = {}
-
-    def model_for(self, hf_model: nn.Module) -> HybridModel:
-        """The HARTS model sharing ``hf_model``'s tensors (built once; rebuilt if ``hf_model``'s tensors were replaced)."""
-        held = self._shared.get(id(hf_model))
-        if held is not None and held[0] is hf_model and is_shared(held[1], hf_model):
-            held[1].train(hf_model.training)
-            return held[1]
-        if held is not None:
-            logger.info("HARTS: %s's tensors were replaced; sharing them again", type(hf_model).__name__)
-        model = share_hf(hf_model)
-        self._shared[id(hf_model)] = (hf_model, model)
-        return model
+        self.model_for = SharedModels()
+        """The HARTS model sharing a Hugging Face model's tensors (built once; rebuilt if they were replaced)."""
 
     def run(
         self,

@@ -33,14 +33,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
-from harts.integrations._common import (
-    IntegrationError,
-    compile_for,
-    hybrid_model_of,
-    land_gradients,
-    scalar_temperature,
-    sync_weights,
-)
+from harts.integrations.engine import IntegrationError, SharedModels, compile_for, scalar_temperature
 from harts.interop import from_verl, layout_spec
 from harts.runtime import microbatch_log_probs
 
@@ -81,7 +74,7 @@ def _next_token_nested(batch, values: torch.Tensor, offsets) -> torch.Tensor:
 class HartsEngine(FSDPEngineWithLMHead):
     """verl's FSDP engine with HARTS' prefix-sharing forward-backward (see the module docstring)."""
 
-    _hybrid: nn.Module | None = None
+    _shared_models: SharedModels | None = None
 
     def _build_fsdp_module(self, module):
         with self._fsdp_strategy():
@@ -98,13 +91,10 @@ class HartsEngine(FSDPEngineWithLMHead):
             object.__setattr__(self.engine_config, "strategy", strategy)
 
     def harts_model(self) -> nn.Module:
-        """The HARTS model of the engine's Hugging Face model, holding its current weights."""
-        hf_model = _unwrapped(self.module)
-        if self._hybrid is None:
-            self._hybrid = hybrid_model_of(hf_model)
-        sync_weights(self._hybrid, hf_model)
-        self._hybrid.train(hf_model.training)
-        return self._hybrid
+        """The HARTS model on the engine's Hugging Face model's own tensors (its gradients land there)."""
+        if self._shared_models is None:
+            self._shared_models = SharedModels()
+        return self._shared_models(_unwrapped(self.module))
 
     def _global_batch_info(self, data) -> None:
         """``batch_num_tokens`` and ``dp_size`` as verl's FSDP engine sets them before its loss runs."""
@@ -155,8 +145,6 @@ class HartsEngine(FSDPEngineWithLMHead):
                 for member, row in zip(members, nested.detach().unbind()):
                     per_trajectory[key][member] = row
             output_lst.append({"loss": loss.detach().item(), "metrics": metrics})
-        if not forward_only:
-            land_gradients(model, _unwrapped(self.module))
         output = postprocess_batch_func(output_lst=output_lst, indices=None, data=data)
         output["model_output"] = {key: torch.nested.as_nested_tensor(rows, layout=torch.jagged) for key, rows in per_trajectory.items()}
         return output

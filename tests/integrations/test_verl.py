@@ -167,7 +167,7 @@ def test_infer_batch_gives_verls_old_log_probs():
 def test_the_engine_keeps_verls_fsdp2_wrapping_and_names_what_it_cannot_run_yet():
     import copy
 
-    from harts.integrations._common import IntegrationError
+    from harts.integrations.engine import IntegrationError
 
     built = engine(HartsEngine, copy.deepcopy(hf_model("qwen3_next")), strategy=BACKEND)
     object.__setattr__(built.engine_config, "mixed_precision", {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"})
