@@ -28,15 +28,24 @@ from harts_bench.common import say
 __all__ = ["megatron_bench"]
 
 
-def _ensure_process_group(device: torch.device) -> bool:
-    """Join torchrun's group, or make a one-process one; True when this call created it."""
+def _ensure_process_group(device: torch.device, backend: str | None) -> bool:
+    """Join torchrun's group, or make a one-process one; True when this call created it.
+
+    Ranks beyond the GPU count share GPUs round-robin, which only gloo allows (to measure a
+    TP = 2 layout's per-rank memory on one GPU, say).
+    """
     if dist.is_initialized():
         return False
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29561"))
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if backend == "nccl" and local_rank >= torch.cuda.device_count():
+            raise SystemExit(f"rank {local_rank} has no GPU of its own ({torch.cuda.device_count()} visible); "
+                             "NCCL refuses two ranks on one GPU: pass --dist-backend gloo")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    dist.init_process_group(backend)
     return True
 
 
@@ -64,7 +73,7 @@ def megatron_bench(args, device: torch.device) -> dict:
     )
     from harts.kernels import Dispatch
 
-    created = _ensure_process_group(device)
+    created = _ensure_process_group(device, getattr(args, "dist_backend", None))
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     try:

@@ -152,6 +152,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=None,
                         help="tensor-parallel size: time the megatron-core path (harts_bench.megatron) under torchrun")
     parser.add_argument("--ep", type=int, default=None, help="expert-parallel size of the megatron-core path (not yet: with --tp, MoE experts are replicated over the TP group)")
+    parser.add_argument("--dist-backend", choices=("nccl", "gloo"), default=None,
+                        help="process-group backend of the megatron-core path (default: nccl on CUDA, gloo on CPU); "
+                             "gloo lets several ranks share one GPU (NCCL refuses two ranks on one device)")
     parser.add_argument("--kernel-bench", action="store_true",
                         help="only time the linear-attention kernels (fast vs reference) at --kernel-tokens rows")
     parser.add_argument("--kernel-tokens", type=int, default=32768)

@@ -21,6 +21,7 @@ import torch
 trl = pytest.importorskip("trl")
 pytest.importorskip("datasets")
 from datasets import Dataset  # noqa: E402
+from datasets.table import InMemoryTable  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
@@ -59,8 +60,14 @@ def load(architecture: str, path: str):
 
 
 def prompts() -> Dataset:
-    """Eight prompts of 3 to 6 tokens (left padding), each sampled four times (shared prefixes)."""
-    return Dataset.from_dict({"prompt": [" ".join(f"t{(7 * i + 3 * j) % 40 + 5}" for j in range(3 + i % 4)) for i in range(8)]})
+    """Eight prompts of 3 to 6 tokens (left padding), each sampled four times (shared prefixes).
+
+    Built with a fixed fingerprint: ``Dataset.from_dict`` fingerprints the table by pickling it with
+    dill, which fails on the GPU machine's Python 3.12 (datasets 5.2.0, dill 0.4.1, pyarrow 26.0.1:
+    "Can't pickle <class 'MonthDayNano'>"); the fingerprint is only a cache key.
+    """
+    text = [" ".join(f"t{(7 * i + 3 * j) % 40 + 5}" for j in range(3 + i % 4)) for i in range(8)]
+    return Dataset(InMemoryTable.from_pydict({"prompt": text}), fingerprint="harts-test-trl-prompts")
 
 
 class SeededReward:
