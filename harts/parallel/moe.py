@@ -57,7 +57,7 @@ def moe_transformer_config(config: HybridConfig, *, tensor_parallel: int, expert
         raise HartsError(f"config field 'num_experts' = {config.num_experts} does not divide by the "
                          f"expert-parallel size {expert_parallel} (option '--ep')")
     return TransformerConfig(
-        num_layers=config.num_layers, hidden_size=config.hidden_size, num_attention_heads=1,
+        num_layers=config.num_layers, hidden_size=config.hidden_size, num_attention_heads=tensor_parallel,  # unused: attention is HARTS'
         ffn_hidden_size=config.moe_intermediate_size, moe_ffn_hidden_size=config.moe_intermediate_size,
         num_moe_experts=config.num_experts, moe_router_topk=config.num_experts_per_tok,
         moe_token_dispatcher_type=dispatcher, moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
