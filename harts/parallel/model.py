@@ -217,6 +217,11 @@ class TensorParallelHybridModel(nn.Module):
         return self.tensor_parallel_group.size()
 
     @property
+    def expert_parallel_lockstep(self) -> bool:
+        """Whether MoE layers exchange rows with other ranks: every rank must then run as many passes (harts.train)."""
+        return self._expert_group_size() > 1
+
+    @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 

@@ -192,19 +192,19 @@ def compare_random_trees(examples: int = 4) -> dict:
 
 
 def compare_training(variant, layout, batch, mode: str, checkpoint: str | None, alone, *,
-                     token_dispatcher: str = "allgather") -> dict:
+                     token_dispatcher: str = "allgather", capacity: int = 60) -> dict:
     config = TrainConfig(mode=mode, epochs=2, max_grad_norm=0.5, with_entropy=True, entropy_coef=0.01, temperature=0.9,
                          aux_loss_coef=1e-2, z_loss_coef=1e-3, expert_bias_rate=1e-3)
     lr = 0.05
     native = dense_model(variant)
-    single = harts.compile(batch, capacity=60, dp_size=1, chunk_size=4)
+    single = harts.compile(batch, capacity=capacity, dp_size=1, chunk_size=4)
     want = Trainer(native, torch.optim.SGD(native.parameters(), lr=lr), config, process_group=alone).step(batch, single)
 
     parallel = harts.parallel.TensorParallelHybridModel.from_model(dense_model(variant), token_dispatcher=token_dispatcher)
     wrapped = parallel
     if layout.data_parallel_size > 1:  # DDP leaves the expert parameters to parallel.finalize_gradients
         wrapped = DistributedDataParallel(parallel, process_group=layout.data_parallel_group)
-    plan = harts.compile(batch, capacity=60, dp_size=layout.data_parallel_size, chunk_size=4)
+    plan = harts.compile(batch, capacity=capacity, dp_size=layout.data_parallel_size, chunk_size=4)
     trainer = Trainer(wrapped, torch.optim.SGD(parallel.parameters(), lr=lr), config,
                       process_group=layout.data_parallel_group)
     got = trainer.step(batch, plan)
