@@ -60,10 +60,23 @@ def main(tensor_parallel: str, expert_parallel: str, dispatcher: str, out: str) 
         # so the trainer's shadow passes keep the expert-parallel ranks in step
         report[f"{mode}/step"] = compare_training(VARIANT, layout, batch, mode, checkpoint, alone,
                                                   token_dispatcher=dispatcher, capacity=CAPACITY)
+    report["baseline_parts"] = baseline_parts(layout, batch, native)
     report["hf_checkpoint_log_probs"] = save_hf_checkpoint(Path(out, "kimi-hf"), batch, plan, dispatcher)
     if dist.get_rank() == 0:
         Path(out, "report.json").write_text(json.dumps(report, indent=1))
     dist.destroy_process_group()
+
+
+def baseline_parts(layout, batch, model) -> list[int]:
+    """How many baseline passes each rank's replica holds (before the trainer's shadow passes)."""
+    from harts.runtime.api import bind_plan
+    from harts.train.distributed import replica_microbatches
+    from harts.train.trainer import _parts
+
+    module = bind_plan(harts.compile(batch, capacity=CAPACITY, dp_size=layout.data_parallel_size, chunk_size=4),
+                       batch, model).module
+    return [len(_parts(replica_microbatches(module, rank, layout.data_parallel_size), batch, module, "baseline"))
+            for rank in range(layout.data_parallel_size)]
 
 
 def save_hf_checkpoint(directory: Path, batch, plan, dispatcher: str) -> list[float]:
