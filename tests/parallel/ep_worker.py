@@ -1,6 +1,8 @@
 """One rank of the expert-parallel tests (run by tests/parallel/test_expert_parallel.py under torchrun).
 
-    python -m torch.distributed.run --nproc-per-node N tests/parallel/ep_worker.py TP EP DISPATCHER OUT
+    python -m torch.distributed.run --nproc-per-node N tests/parallel/ep_worker.py TP EP DISPATCHERS OUT
+
+DISPATCHERS: comma-separated megatron-core token dispatchers (allgather, alltoall), each run in turn.
 
 The KDA + MLA model with MoE FFNs (4 experts, top-2, expert bias, shared expert) through
 megatron-core's ``MoELayer`` at TP x EP, float64 on CPU (float32 on one GPU, TP_WORKER_DEVICE):
@@ -35,7 +37,7 @@ VARIANT = "kda-mla-moe"
 CAPACITY = 40
 
 
-def main(tensor_parallel: str, expert_parallel: str, dispatcher: str, out: str) -> None:
+def main(tensor_parallel: str, expert_parallel: str, dispatchers: str, out: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     if DEVICE.type == "cuda":
@@ -45,23 +47,25 @@ def main(tensor_parallel: str, expert_parallel: str, dispatcher: str, out: str) 
     alone = [dist.new_group([rank]) for rank in range(dist.get_world_size())][dist.get_rank()]
     report: dict = {"tp": layout.tensor_parallel_size, "ep": layout.expert_parallel_size, "dp": layout.data_parallel_size}
     native = dense_model(VARIANT)
-    parallel = harts.parallel.TensorParallelHybridModel.from_model(dense_model(VARIANT), token_dispatcher=dispatcher)
-    moe = [layer.mlp for layer in parallel.layers if isinstance(layer.mlp, HartsMoELayer)]
-    report["local_experts"] = [int(layer.experts.gate_up_proj.shape[0]) for layer in moe]
-    report["dispatcher"] = sorted({type(layer.token_dispatcher).__name__ for layer in moe})
     plan = harts.compile(batch, capacity=60, dp_size=1, chunk_size=4)
     replay = harts.RolloutBatch.from_trajectories(list(batch.tokens), routed_experts=prefix_routing(batch.tokens, native.config))
     replay_plan = harts.compile(replay, capacity=60, dp_size=1, chunk_size=4)
-    for mode in ("harts", "baseline"):
-        report[f"{mode}/log_probs"] = compare_log_probs(parallel, native, batch, plan, mode)
-        report[f"{mode}/replay"] = compare_log_probs(parallel, native, replay, replay_plan, mode)
-        checkpoint = str(Path(out, "trained.safetensors")) if mode == "harts" else None
-        # capacity 40: the baseline's parts differ in number between the two DP replicas (4 and 3),
-        # so the trainer's shadow passes keep the expert-parallel ranks in step
-        report[f"{mode}/step"] = compare_training(VARIANT, layout, batch, mode, checkpoint, alone,
-                                                  token_dispatcher=dispatcher, capacity=CAPACITY)
+    dispatchers = dispatchers.split(",")
+    for dispatcher in dispatchers:  # one launch for several dispatchers: the processes' start-up is most of a run
+        parallel = harts.parallel.TensorParallelHybridModel.from_model(dense_model(VARIANT), token_dispatcher=dispatcher)
+        moe = [layer.mlp for layer in parallel.layers if isinstance(layer.mlp, HartsMoELayer)]
+        report[f"{dispatcher}/local_experts"] = [int(layer.experts.gate_up_proj.shape[0]) for layer in moe]
+        report[f"{dispatcher}/class"] = sorted({type(layer.token_dispatcher).__name__ for layer in moe})
+        for mode in ("harts", "baseline"):
+            report[f"{dispatcher}/{mode}/log_probs"] = compare_log_probs(parallel, native, batch, plan, mode)
+            report[f"{dispatcher}/{mode}/replay"] = compare_log_probs(parallel, native, replay, replay_plan, mode)
+            checkpoint = str(Path(out, f"trained-{dispatcher}.safetensors")) if mode == "harts" else None
+            # capacity 40: the baseline's parts differ in number between the two DP replicas (4 and 3),
+            # so the trainer's shadow passes keep the expert-parallel ranks in step
+            report[f"{dispatcher}/{mode}/step"] = compare_training(VARIANT, layout, batch, mode, checkpoint, alone,
+                                                                   token_dispatcher=dispatcher, capacity=CAPACITY)
     report["baseline_parts"] = baseline_parts(layout, batch, native)
-    report["hf_checkpoint_log_probs"] = save_hf_checkpoint(Path(out, "kimi-hf"), batch, plan, dispatcher)
+    report["hf_checkpoint_log_probs"] = save_hf_checkpoint(Path(out, "kimi-hf"), batch, plan, dispatchers[0])
     if dist.get_rank() == 0:
         Path(out, "report.json").write_text(json.dumps(report, indent=1))
     dist.destroy_process_group()

@@ -26,23 +26,47 @@ from tests.parallel.test_tensor_parallel import torchrun
 pytest.importorskip("megatron.core")
 
 TOLERANCE = 1e-10
-LAYOUTS = {"ep2": (1, 2, "allgather", 2), "tp2xep2": (2, 2, "allgather", 4), "ep2-alltoall": (1, 2, "alltoall", 2)}
+#: (TP, EP, token dispatchers, processes); the all-to-all dispatcher runs in the EP = 2 launch.
+LAYOUTS = {"ep2": (1, 2, ("allgather", "alltoall"), 2), "tp2xep2": (2, 2, ("allgather",), 4)}
+CASES = [("ep2", "allgather"), ("ep2", "alltoall"), ("tp2xep2", "allgather")]
+CLASSES = {"allgather": "RowGatherDispatcher", "alltoall": "RowAllToAllDispatcher"}
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS), ids=list(LAYOUTS))
-def run(request, tmp_path_factory):
-    tensor_parallel, expert_parallel, dispatcher, processes = LAYOUTS[request.param]
-    folder = tmp_path_factory.mktemp(request.param)
-    torchrun(processes, str(REPO / "tests" / "parallel" / "ep_worker.py"), str(tensor_parallel), str(expert_parallel),
-             dispatcher, str(folder))
-    return json.loads((folder / "report.json").read_text()), folder, dispatcher
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    return {}
+
+
+def _launch(name: str, launches: dict, tmp_path_factory) -> tuple[dict, object]:
+    """The report and folder of the layout's one torchrun launch (made on first use)."""
+    if name not in launches:
+        tensor_parallel, expert_parallel, dispatchers, processes = LAYOUTS[name]
+        folder = tmp_path_factory.mktemp(name)
+        torchrun(processes, str(REPO / "tests" / "parallel" / "ep_worker.py"), str(tensor_parallel), str(expert_parallel),
+                 ",".join(dispatchers), str(folder))
+        launches[name] = json.loads((folder / "report.json").read_text()), folder
+    return launches[name]
+
+
+@pytest.fixture(params=CASES, ids=[f"{layout}-{dispatcher}" for layout, dispatcher in CASES])
+def run(request, launches, tmp_path_factory):
+    """(the layout's report with this dispatcher's keys unprefixed, its folder, the dispatcher)."""
+    name, dispatcher = request.param
+    report, folder = _launch(name, launches, tmp_path_factory)
+    mine = {key.removeprefix(f"{dispatcher}/"): value for key, value in report.items()}
+    return mine, folder, dispatcher
+
+
+@pytest.fixture(params=list(LAYOUTS))
+def layout_run(request, launches, tmp_path_factory):
+    return _launch(request.param, launches, tmp_path_factory)
 
 
 def test_layout(run):
     report, _, dispatcher = run
     assert (report["tp"], report["ep"]) in ((1, 2), (2, 2)) and report["dp"] == 2
     assert report["local_experts"] == [2, 2]  # 4 experts over EP = 2, in each of the two MoE layers
-    assert report["dispatcher"] == ["RowAllToAllDispatcher" if dispatcher == "alltoall" else "RowGatherDispatcher"]
+    assert report["class"] == [CLASSES[dispatcher]]
 
 
 @pytest.mark.parametrize("key", ["log_probs", "replay"])
@@ -63,10 +87,10 @@ def test_a_trainer_step_equals_the_single_process_step(run, mode):
         assert found[key] < TOLERANCE, key
 
 
-def test_the_baseline_step_needed_shadow_passes(run):
-    """The two replicas hold different numbers of baseline passes: the step above kept the
+def test_the_baseline_step_needed_shadow_passes(layout_run):
+    """The two replicas hold different numbers of baseline passes: the steps above kept the
     expert-parallel ranks in step with shadow passes (else the MoE exchange would hang)."""
-    parts = run[0]["baseline_parts"]
+    parts = layout_run[0]["baseline_parts"]
     assert len(set(parts)) == 2, parts
 
 
@@ -75,9 +99,9 @@ def test_an_expert_parallel_checkpoint_loads_into_one_process(run):
 
     from tests.parallel.tp_worker import dense_model
 
-    report, folder, _ = run
+    report, folder, dispatcher = run
     model = dense_model("kda-mla-moe")
-    model.load_state_dict(load_file(folder / "trained.safetensors"))
+    model.load_state_dict(load_file(folder / f"trained-{dispatcher}.safetensors"))
     batch = forked_batch(chunk=4)
     plan = harts.compile(batch, capacity=40, dp_size=1, chunk_size=4)
     want = torch.tensor(report["harts/step"]["checkpoint_log_probs"], dtype=torch.float64)
@@ -86,12 +110,12 @@ def test_an_expert_parallel_checkpoint_loads_into_one_process(run):
     assert float((got - log_probs(dense_model("kda-mla-moe"), plan, batch).packed.detach()).abs().max()) > 1e-6
 
 
-def test_an_expert_parallel_model_saves_a_transformers_checkpoint(run):
+def test_an_expert_parallel_model_saves_a_transformers_checkpoint(layout_run):
     """Kimi Linear (8 experts over EP, group-limited routing, shared expert): harts.parallel.save_pretrained
     gathers the experts; the directory loads in one process with the split model's log-probs."""
     from harts.models import from_hf
 
-    report, folder, _ = run
+    report, folder = layout_run
     model = from_hf(str(folder / "kimi-hf"), dtype="float64")
     batch = forked_batch(chunk=4)
     plan = harts.compile(batch, capacity=60, dp_size=1, chunk_size=4)
