@@ -37,6 +37,7 @@ from torch import nn
 
 from harts.errors import HartsError, ModelInputError
 from harts.kernels import dispatch as kernel_dispatch
+from harts.parallel.layers import to_megatron_projections
 from harts.parallel.mappings import gather_rows, reduce_scatter_rows
 from harts.runtime.config import HybridConfig
 from harts.runtime.layers import MLP
@@ -251,8 +252,6 @@ class HartsMoELayer(MoELayer):
 
     def __init__(self, hybrid: HybridConfig, transformer_config: TransformerConfig, pg_collection, *,
                  dispatcher: str, parallel_config, tensor_group):
-        from harts.parallel.layers import to_megatron_projections
-
         def router(*, config, pg_collection, is_mtp_layer=False):
             return HartsRouter(config, pg_collection, is_mtp_layer, hybrid=hybrid)
 

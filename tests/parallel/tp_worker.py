@@ -41,7 +41,7 @@ VARIANTS = {
     "kda-mla": dict(linear="kda", attention="mla"),
     "gdn-gqa": dict(linear="gdn", attention="gqa", num_attention_heads=4, num_key_value_heads=2,
                     attention_output_gate=True, qk_norm=True, norm_zero_centered=True),
-    # experts replicated over the TP group, each rank routing its rows; expert bias and a shared expert
+    # megatron-core's MoELayer (EP = 1 here: every expert on every rank), each rank routing its rows; expert bias and a shared expert
     "kda-mla-moe": dict(linear="kda", attention="mla", ffn="moe", moe_expert_bias=True, moe_intermediate_size=16,
                         shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2),
 }
