@@ -31,7 +31,16 @@ import harts.parallel  # noqa: E402
 from harts.parallel.moe import HartsMoELayer  # noqa: E402
 from harts.runtime import log_probs  # noqa: E402
 from tests.helpers import forked_batch  # noqa: E402
-from tests.parallel.tp_worker import DEVICE, compare_log_probs, compare_training, dense_model, prefix_routing  # noqa: E402
+from tests.parallel.tp_worker import (  # noqa: E402
+    DEVICE,
+    compare_log_probs,
+    compare_training,
+    dense_model,
+    gradient_gap,
+    largest,
+    prefix_routing,
+    surrogate_loss,
+)
 
 VARIANT = "kda-mla-moe"
 CAPACITY = 40
@@ -64,11 +73,23 @@ def main(tensor_parallel: str, expert_parallel: str, dispatchers: str, out: str)
             # so the trainer's shadow passes keep the expert-parallel ranks in step
             report[f"{dispatcher}/{mode}/step"] = compare_training(VARIANT, layout, batch, mode, checkpoint, alone,
                                                                    token_dispatcher=dispatcher, capacity=CAPACITY)
+        report[f"{dispatcher}/harts/recompute"] = compare_recompute(parallel, native, batch, plan)
     report["baseline_parts"] = baseline_parts(layout, batch, native)
     report["hf_checkpoint_log_probs"] = save_hf_checkpoint(Path(out, "kimi-hf"), batch, plan, dispatchers[0])
     if dist.get_rank() == 0:
         Path(out, "report.json").write_text(json.dumps(report, indent=1))
     dist.destroy_process_group()
+
+
+def compare_recompute(parallel, native, batch, plan) -> dict:
+    """Activation checkpointing: the MoE layers' exchanges run again in the backward, on every rank alike."""
+    results = []
+    for model, recompute in ((parallel, True), (native, False)):
+        model.zero_grad(set_to_none=True)
+        out = log_probs(model, plan, batch, recompute, with_entropy=True)
+        surrogate_loss(out).backward()
+        results.append(out.packed.detach())
+    return {"log_probs": largest(results[0], results[1]), "gradients": gradient_gap(parallel, native)}
 
 
 def baseline_parts(layout, batch, model) -> list[int]:

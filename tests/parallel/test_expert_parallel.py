@@ -79,6 +79,12 @@ def test_log_probs_statistics_and_gradients_equal_the_single_process_model(run, 
     assert max(value for name, value in found.items() if name != "rows") < TOLERANCE, found
 
 
+def test_activation_checkpointing_reruns_the_exchanges_alike(run):
+    """recompute=True: every MoE layer's dispatch runs again in the backward; log-probs and gradients unchanged."""
+    found = run[0]["harts/recompute"]
+    assert found["log_probs"] < TOLERANCE and found["gradients"] < TOLERANCE, found
+
+
 @pytest.mark.parametrize("mode", ["harts", "baseline"])
 def test_a_trainer_step_equals_the_single_process_step(run, mode):
     found = run[0][f"{mode}/step"]
