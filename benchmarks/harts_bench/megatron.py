@@ -1,8 +1,8 @@
 """``harts-bench --tp T --ep E``: the headline workload on harts.parallel's megatron-core path.
 
 Under ``torchrun --nproc-per-node N`` (or alone: a one-process group is made), every rank
-builds the preset (MoE experts replicated over the TP group, see harts.parallel.model),
-compiles the same plan and times F/B/Grad, as the runtime benchmark does, of:
+builds the preset (MoE layers through megatron-core's MoELayer, experts split over the EP
+group, ``--moe-dispatcher`` allgather or alltoall; see harts.parallel.moe), compiles the same plan and times F/B/Grad, as the runtime benchmark does, of:
 
 * ``native``: HARTS on the single-process model (every rank holds it whole);
 * ``megatron``: HARTS on this rank's tensor-parallel shard (``TensorParallelHybridModel``);
@@ -83,12 +83,13 @@ def megatron_bench(args, device: torch.device) -> dict:
         with torch.device(device):
             native = HybridModel(config)
         _full, batch, plan, _plan_seconds, _first = build_workload(args, config)
-        parallel = harts.parallel.TensorParallelHybridModel.from_model(native)
+        parallel = harts.parallel.TensorParallelHybridModel.from_model(
+            native, token_dispatcher=getattr(args, "moe_dispatcher", "allgather"))
         kernels, stock = Dispatch(args.kernels), StockFla(args.kernels)
         trajectories = len(batch.tokens)
         groups = baseline_microbatches(batch.lengths, args.capacity)
         compact_rows = sum(plan.layout(k).num_rows for k in range(len(plan.module.microbatches)))
-        say(f"megatron-core: TP={layout.tensor_parallel_size} DP={layout.data_parallel_size}, "
+        say(f"megatron-core: TP={layout.tensor_parallel_size} EP={layout.expert_parallel_size} DP={layout.data_parallel_size}, "
             f"{config.num_layers} layers ({config.num_moe_layers} MoE), {compact_rows} compact rows")
         ffn = "moe" if config.num_moe_layers else "dense"
         results = {"tp": layout.tensor_parallel_size, "ep": layout.expert_parallel_size, "ffn": ffn,

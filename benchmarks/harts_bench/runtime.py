@@ -151,7 +151,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", default="bench_runtime.json")
     parser.add_argument("--tp", type=int, default=None,
                         help="tensor-parallel size: time the megatron-core path (harts_bench.megatron) under torchrun")
-    parser.add_argument("--ep", type=int, default=None, help="expert-parallel size of the megatron-core path (not yet: with --tp, MoE experts are replicated over the TP group)")
+    parser.add_argument("--ep", type=int, default=None, help="expert-parallel size of the megatron-core path (MoE experts split over E ranks)")
+    parser.add_argument("--moe-dispatcher", choices=("allgather", "alltoall"), default="allgather",
+                        help="megatron-core MoE token dispatcher of the megatron-core path")
     parser.add_argument("--dist-backend", choices=("nccl", "gloo"), default=None,
                         help="process-group backend of the megatron-core path (default: nccl on CUDA, gloo on CPU); "
                              "gloo lets several ranks share one GPU (NCCL refuses two ranks on one device)")

@@ -12,7 +12,9 @@ of the compact rows padded to ``C'``, a multiple of TP. Per block::
     x = x + mlp(gather_rows(post_attention_layernorm(x)))
 
 and the log-prob head (:mod:`harts.parallel.logprobs`) reads the gathered final rows with the
-vocabulary shard. Parameter names equal the native model's; :meth:`from_model` slices a
+vocabulary shard. A MoE FFN is megatron-core's ``MoELayer`` (:mod:`harts.parallel.moe`): each
+rank routes its own rows, and the all-gather or all-to-all token dispatcher brings them to
+the ``E / EP`` experts of each expert-parallel rank. Parameter names equal the native model's; :meth:`from_model` slices a
 single-process model's state dict (so TP = 1 is the native model, operation for operation)
 and :meth:`full_state_dict` gathers it back in the native / Hugging Face layout.
 """
@@ -33,6 +35,7 @@ from harts.numerics import compute_dtype
 from harts.parallel.layers import keep_uninitialised, to_megatron_projections
 from harts.parallel.logprobs import vocab_parallel_compact_log_probs
 from harts.parallel.mappings import gather_rows, padded_rows, scatter_rows
+from harts.parallel.moe import HartsMoELayer, HartsRouter, moe_transformer_config
 from harts.runtime.config import HybridConfig
 from harts.runtime.layers import KimiForgetGate, RMSNorm
 from harts.runtime.model import DecoderLayer, HybridModel, run_blocks
@@ -46,13 +49,15 @@ class TensorParallelError(HartsError, ValueError):
 
 
 def local_config(config: HybridConfig, size: int) -> HybridConfig:
-    """The config of one rank's layers: head and channel counts divided by the group size (MoE experts stay whole)."""
+    """The config of one rank's layers: head and channel counts divided by the group size (routed experts stay whole;
+    expert parallelism splits their number, see :mod:`harts.parallel.moe`)."""
     split = {
         "linear_num_key_heads": config.linear_num_key_heads,
         "linear_num_value_heads": config.linear_num_value_heads,
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
         "intermediate_size": config.intermediate_size,
+        "shared_expert_intermediate_size": config.shared_expert_intermediate_size,
         "vocab_size": config.vocab_size,
     }
     for field, value in split.items():
@@ -68,6 +73,11 @@ def _conv_segments(config: HybridConfig) -> list[int]:
     return [key, key, config.linear_num_value_heads * config.linear_value_head_dim]
 
 
+def _native_name(name: str) -> str:
+    """The native / HF name of a parameter: megatron's ``MoELayer`` calls its router ``router``, HybridModel ``gate``."""
+    return name.replace(".mlp.router.", ".mlp.gate.")
+
+
 def _local_rows(values: torch.Tensor, padded: int, group, fill: torch.Tensor) -> torch.Tensor:
     """This rank's rows of a per-row tensor [C, ...] padded to ``padded`` rows with ``fill`` (no gradient flows)."""
     if padded > values.shape[0]:
@@ -78,19 +88,25 @@ def _local_rows(values: torch.Tensor, padded: int, group, fill: torch.Tensor) ->
 class ParallelDecoderLayer(DecoderLayer):
     """One rank's pre-norm block: the native block at the local head count, megatron projections, SP rows.
 
-    A MoE FFN stays whole on every rank of the group and routes only this rank's rows (it is
-    token-wise): its experts and router are replicated parameters (gradients summed over the
-    group like the norms'), padding rows carry multiplicity 0 so that no router statistic counts
-    them, and the statistics are summed over the group with megatron-core's
+    A MoE FFN (``moe``: the full config, megatron's MoE config, its process groups and the
+    dispatcher) is a :class:`~harts.parallel.moe.HartsMoELayer` routing only this rank's rows:
+    the router is a replicated parameter (gradients summed over the group like the norms'),
+    padding rows carry multiplicity 0 so that no router statistic counts them, and the
+    statistics are summed over the group with megatron-core's
     ``reduce_from_tensor_model_parallel_region`` (its backward hands each rank the gradient of its rows).
     """
 
-    def __init__(self, config: HybridConfig, layer_idx: int, parallel_config: ModelParallelConfig, group):
+    def __init__(self, config: HybridConfig, layer_idx: int, parallel_config: ModelParallelConfig, group, moe=None):
         super().__init__(config, layer_idx)
         self.group = group
         to_megatron_projections(self.mixer, parallel_config, group)
         if self.mlp_type != "moe":
             to_megatron_projections(self.mlp, parallel_config, group)
+        else:
+            full, transformer_config, pg_collection, dispatcher = moe
+            local = attrs.evolve(full, shared_expert_intermediate_size=config.shared_expert_intermediate_size)
+            self.mlp = HartsMoELayer(local, transformer_config, pg_collection, dispatcher=dispatcher,
+                                     parallel_config=parallel_config, tensor_group=group)
 
     def forward(self, x: torch.Tensor, view, routed_experts: torch.Tensor | None = None):
         """x [C' / TP, D] (this rank's rows) -> (x [C' / TP, D], MoE statistics summed over the group, or None)."""
@@ -116,16 +132,25 @@ class TensorParallelHybridModel(nn.Module):
     """One tensor-parallel rank of a :class:`HybridModel` (see the module docstring).
 
     Args:
-        config: the full model's config (head counts, FFN width and vocabulary divisible by TP).
+        config: the full model's config (head counts, FFN width and vocabulary divisible by TP;
+            the number of experts by EP).
         group: the tensor-parallel process group (default: megatron-core's, from
             ``parallel_state``; torch.distributed must be initialised).
+        token_dispatcher: the MoE layers' megatron-core token dispatcher, ``"allgather"`` or
+            ``"alltoall"`` (gloo has all-to-all for CPU tensors only).
+
+    Expert parameters (``*.mlp.experts.*``) hold this rank's ``E / EP`` experts (dim 0 split
+    over megatron's expert-parallel group). torch DDP is told to leave them alone
+    (``_ddp_params_and_buffers_to_ignore``): :meth:`finalize_gradients` sums their gradients
+    over the expert-data-parallel group instead, as megatron's DDP does for its expert
+    parameters (``allreduce = False``).
     """
 
-    def __init__(self, config: HybridConfig, group=None):
+    def __init__(self, config: HybridConfig, group=None, *, token_dispatcher: str = "allgather"):
         super().__init__()
-        if group is None:
-            from megatron.core import parallel_state
+        from megatron.core import parallel_state
 
+        if group is None:
             group = parallel_state.get_tensor_model_parallel_group()
         if group is None:
             raise TensorParallelError("no tensor-parallel group: initialise torch.distributed and harts.parallel.initialize first")
@@ -137,9 +162,13 @@ class TensorParallelHybridModel(nn.Module):
             tensor_model_parallel_size=size, params_dtype=config.torch_dtype, use_cpu_initialization=True,
             perform_initialization=False,
         )
+        moe = None
+        if config.num_moe_layers:
+            moe = self._moe_setup(config, size, token_dispatcher)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, init_method=keep_uninitialised,
                                                    config=self.parallel_config, tp_group=group)
-        self.layers = nn.ModuleList(ParallelDecoderLayer(local, i, self.parallel_config, group) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(ParallelDecoderLayer(local, i, self.parallel_config, group, moe)
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_zero_centered)
         self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, config=self.parallel_config,
                                             init_method=keep_uninitialised, bias=False, gather_output=False,
@@ -151,12 +180,31 @@ class TensorParallelHybridModel(nn.Module):
         for module in self.modules():
             if isinstance(module, KimiForgetGate):
                 module.dt_bias.data = module.dt_bias.data.to(keep)
-            elif isinstance(module, TopKRouter):
+            elif isinstance(module, (TopKRouter, HartsRouter)):
                 module.weight.data = module.weight.data.to(keep)
                 if module.e_score_correction_bias is not None:
                     module.e_score_correction_bias = module.e_score_correction_bias.to(keep)
-        #: Parameter name -> the dim its shard splits (None: replicated on every rank).
+        #: Parameter name -> the dim its shard splits over the TP group (None: replicated on every rank).
         self.split_dims: dict[str, int | None] = {}
+        #: Native names of the expert parameters (dim 0 split over the expert-parallel group).
+        self.expert_names = frozenset(name for name in self._own_parameters() if ".mlp.experts." in name)
+        self._ddp_params_and_buffers_to_ignore = sorted(self.expert_names)
+
+    def _moe_setup(self, config: HybridConfig, size: int, token_dispatcher: str):
+        """(config, megatron's MoE config, its process groups, dispatcher) for the MoE layers; the expert groups."""
+        from megatron.core import parallel_state
+        from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+        if not parallel_state.model_parallel_is_initialized():
+            raise TensorParallelError("a MoE model needs megatron-core's expert groups: call harts.parallel.initialize first")
+        pg_collection = get_default_pg_collection()
+        pg_collection.tp = self.tensor_parallel_group
+        self.expert_parallel_group = pg_collection.ep
+        self.expert_data_parallel_group = pg_collection.expt_dp
+        self.data_parallel_size = parallel_state.get_data_parallel_world_size()
+        transformer_config = moe_transformer_config(config, tensor_parallel=size, expert_parallel=pg_collection.ep.size(),
+                                                    dispatcher=token_dispatcher)
+        return config, transformer_config, pg_collection, token_dispatcher
 
     # ------------------------------------------------------------------ weights
 
@@ -167,6 +215,11 @@ class TensorParallelHybridModel(nn.Module):
     @property
     def tensor_parallel_size(self) -> int:
         return self.tensor_parallel_group.size()
+
+    @property
+    def expert_parallel_lockstep(self) -> bool:
+        """Whether MoE layers exchange rows with other ranks: every rank must then run as many passes (harts.train)."""
+        return self._expert_group_size() > 1
 
     @property
     def device(self) -> torch.device:
@@ -203,17 +256,37 @@ class TensorParallelHybridModel(nn.Module):
         return torch.cat([per_rank[r][block] for block in range(len(segments)) for r in range(size)], dim=dim)
 
     def _own_parameters(self) -> dict[str, torch.Tensor]:
-        return {name: tensor for name, tensor in self.state_dict(keep_vars=True).items() if not name.endswith("_extra_state")}
+        """Native name -> this rank's tensor (parameters and buffers)."""
+        return {_native_name(name): tensor for name, tensor in self.state_dict(keep_vars=True).items()
+                if not name.endswith("_extra_state")}
+
+    def _native_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(_native_name(name), parameter) for name, parameter in self.named_parameters()]
+
+    def _expert_group_size(self) -> int:
+        return self.expert_parallel_group.size() if self.expert_names else 1
+
+    def _expert_shard(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.chunk(self._expert_group_size(), dim=0)[self.expert_parallel_group.rank()]
+
+    def _expert_unshard(self, shard: torch.Tensor) -> torch.Tensor:
+        if self._expert_group_size() == 1:
+            return shard.clone()
+        return gather_rows(shard.contiguous(), self.expert_parallel_group).clone()
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load a single-process (native / HF layout) state dict: each rank keeps its shard."""
+        """Load a single-process (native / HF layout) state dict: each rank keeps its shard (and its experts)."""
         own = self._own_parameters()
         missing = sorted(set(own) - set(state))
         if missing:
             raise TensorParallelError(f"the state dict lacks parameter(s) {missing[:5]}")
         for name, target in own.items():
             full = state[name]
+            if name in self.expert_names:
+                target.copy_(self._expert_shard(full))
+                self.split_dims[name] = None
+                continue
             dim = self._split_dim(name, full.shape, target.shape)
             target.copy_(full if dim is None else self._shard(name, full, dim))
             self.split_dims[name] = dim
@@ -221,30 +294,26 @@ class TensorParallelHybridModel(nn.Module):
                 set_tensor_model_parallel_attributes(target, True, dim, 1)
 
     @classmethod
-    def from_model(cls, model: HybridModel, group=None) -> TensorParallelHybridModel:
+    def from_model(cls, model: HybridModel, group=None, *, token_dispatcher: str = "allgather") -> TensorParallelHybridModel:
         """This rank's shard of ``model`` (the same weights on every rank), on ``model``'s device."""
-        parallel = cls(model.config, group).to(model.device)
+        parallel = cls(model.config, group, token_dispatcher=token_dispatcher).to(model.device)
         parallel.load_full_state_dict(model.state_dict())
         return parallel
 
+    def _gathered(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name in self.expert_names:
+            return self._expert_unshard(tensor)
+        dim = self.split_dims.get(name)
+        return tensor.clone() if dim is None else self._unshard(name, tensor, dim)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict in the native / HF layout, on every rank (shards all-gathered)."""
-        out = {}
-        for name, tensor in self._own_parameters().items():
-            dim = self.split_dims.get(name)
-            out[name] = tensor.detach().clone() if dim is None else self._unshard(name, tensor.detach(), dim)
-        return out
+        return {name: self._gathered(name, tensor.detach()) for name, tensor in self._own_parameters().items()}
 
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
         """Every parameter's gradient in the native layout (call after :meth:`finalize_gradients`)."""
-        out = {}
-        for name, parameter in self.named_parameters():
-            if parameter.grad is None:
-                out[name] = None
-                continue
-            dim = self.split_dims.get(name)
-            out[name] = parameter.grad.clone() if dim is None else self._unshard(name, parameter.grad, dim)
-        return out
+        return {name: None if parameter.grad is None else self._gathered(name, parameter.grad)
+                for name, parameter in self._native_parameters()}
 
     def to_hybrid_model(self) -> HybridModel:
         """A single-process :class:`HybridModel` with the gathered weights (on every rank)."""
@@ -255,28 +324,43 @@ class TensorParallelHybridModel(nn.Module):
     # ------------------------------------------------------------------ gradients
 
     def finalize_gradients(self) -> None:
-        """Sum the replicated parameters' gradients over the group (each rank saw its rows or heads only)."""
-        if self.tensor_parallel_size == 1:
-            return
-        for name, parameter in self.named_parameters():
-            if parameter.grad is not None and self.split_dims.get(name) is None:
+        """Sum the replicated parameters' gradients over the TP group (each rank saw its rows or heads only),
+        and the experts' over the expert-data-parallel group.
+
+        An expert's gradient on its rank already sums every row the dispatcher brought it from the
+        expert-parallel group; the ranks holding the same experts saw the other rows. The sum is
+        divided by the data-parallel size, the mean torch DDP takes of the other parameters (the
+        trainer scales each rank's loss by that size).
+        """
+        for name, parameter in self._native_parameters():
+            if name in self.expert_names:
+                if parameter.grad is None:  # no row reached these experts here; the group's sum needs every rank
+                    parameter.grad = torch.zeros_like(parameter)
+                if self.expert_data_parallel_group.size() > 1:
+                    dist.all_reduce(parameter.grad, group=self.expert_data_parallel_group)
+                if self.data_parallel_size > 1:
+                    parameter.grad.div_(self.data_parallel_size)
+            elif self.tensor_parallel_size > 1 and parameter.grad is not None and self.split_dims.get(name) is None:
                 dist.all_reduce(parameter.grad, group=self.tensor_parallel_group)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """The whole model's gradient 2-norm (shards summed over the group, replicas once), clipped to ``max_norm``."""
-        grads = [(name, p.grad) for name, p in self.named_parameters() if p.grad is not None]
+        """The whole model's gradient 2-norm (shards summed over their group, replicas once), clipped to ``max_norm``."""
+        grads = [(name, p.grad) for name, p in self._native_parameters() if p.grad is not None]
         dtype = torch.float64 if any(g.dtype == torch.float64 for _, g in grads) else torch.float32
-        sharded = torch.zeros((), dtype=dtype, device=self.device)
-        replicated = torch.zeros((), dtype=dtype, device=self.device)
+        sharded, replicated, experts = (torch.zeros((), dtype=dtype, device=self.device) for _ in range(3))
         for name, grad in grads:
             square = grad.detach().to(dtype).pow(2).sum()
-            if self.split_dims.get(name) is None:
+            if name in self.expert_names:
+                experts += square
+            elif self.split_dims.get(name) is None:
                 replicated += square
             else:
                 sharded += square
         if self.tensor_parallel_size > 1:
             dist.all_reduce(sharded, group=self.tensor_parallel_group)
-        norm = (sharded + replicated).sqrt()
+        if self._expert_group_size() > 1:
+            dist.all_reduce(experts, group=self.expert_parallel_group)
+        norm = (sharded + replicated + experts).sqrt()
         coefficient = float(max_norm) / (float(norm) + 1e-6)
         if coefficient < 1.0:
             for _, grad in grads:

@@ -3,6 +3,12 @@
 HARTS' plan replicas (``dp_size``, paper §3.2) are megatron-core's data-parallel ranks: with
 ``WORLD = TP x DP`` processes, the ranks of one tensor-parallel group run the same
 microbatches (one plan on every TP rank) and each DP rank the microbatches of its replica.
+
+Expert parallelism (``EP``, dividing the world) splits each MoE layer's experts over
+megatron's expert-parallel group; expert tensor parallelism is 1 (an expert is whole on its
+rank), so the expert-parallel group is ``EP`` consecutive ranks (it may span tensor-parallel
+and data-parallel ranks) and the ``WORLD / EP`` ranks holding the same experts form the
+expert-data-parallel group, over which expert gradients are summed.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ class ParallelLayout:
     expert_parallel_size: int
     tensor_parallel_group: object = attrs.field(repr=False)
     data_parallel_group: object = attrs.field(repr=False)
+    expert_parallel_rank: int = 0
+    expert_parallel_group: object = attrs.field(default=None, repr=False)
+    expert_data_parallel_group: object = attrs.field(default=None, repr=False)
 
 
 def layout() -> ParallelLayout:
@@ -40,6 +49,9 @@ def layout() -> ParallelLayout:
         expert_parallel_size=ps.get_expert_model_parallel_world_size(),
         tensor_parallel_group=ps.get_tensor_model_parallel_group(),
         data_parallel_group=ps.get_data_parallel_group(),
+        expert_parallel_rank=ps.get_expert_model_parallel_rank(),
+        expert_parallel_group=ps.get_expert_model_parallel_group(),
+        expert_data_parallel_group=ps.get_expert_data_parallel_group(with_gtp_remat=False),
     )
 
 
@@ -55,8 +67,8 @@ def initialize(tensor_parallel: int = 1, expert_parallel: int = 1) -> ParallelLa
             raise HartsError(f"option '{option}' must be a positive int, got {value!r}")
     if world % tensor_parallel:
         raise HartsError(f"option '--tp' = {tensor_parallel} does not divide the {world} process(es)")
-    if (world // tensor_parallel) % expert_parallel:
-        raise HartsError(f"option '--ep' = {expert_parallel} does not divide the {world // tensor_parallel} data-parallel rank(s)")
+    if world % expert_parallel:
+        raise HartsError(f"option '--ep' = {expert_parallel} does not divide the {world} process(es)")
     if ps.model_parallel_is_initialized():
         current = layout()
         if (current.tensor_parallel_size, current.expert_parallel_size) != (tensor_parallel, expert_parallel):
@@ -65,5 +77,6 @@ def initialize(tensor_parallel: int = 1, expert_parallel: int = 1) -> ParallelLa
                 f"EP={current.expert_parallel_size}; asked for TP={tensor_parallel}, EP={expert_parallel}"
             )
         return current
-    ps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel, expert_model_parallel_size=expert_parallel)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel, expert_model_parallel_size=expert_parallel,
+                                 expert_tensor_parallel_size=1)
     return layout()

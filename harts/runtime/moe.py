@@ -52,6 +52,7 @@ __all__ = [
     "apply_expert_bias_update",
     "expert_load",
     "load_balancing_loss",
+    "router_statistics",
     "z_loss",
 ]
 
@@ -150,7 +151,9 @@ def apply_expert_bias_update(model: nn.Module, stats: MoEStats, *, rate: float) 
     exactly as its expanded trajectory-wise batch would. Routers without an expert bias are
     skipped. Returns the applied [L, E] update.
     """
-    routers = [module.gate for module in model.modules() if isinstance(module, SparseMoeBlock)]
+    # harts.parallel's megatron-core MoE layer marks itself a MoE block (its router is its ``gate``)
+    routers = [module.gate for module in model.modules()
+               if isinstance(module, SparseMoeBlock) or getattr(module, "is_harts_moe_block", False)]
     if len(routers) != stats.num_layers:
         raise ModelInputError(f"stats hold {stats.num_layers} MoE layer(s) but the model has {len(routers)}")
     load = expert_load(stats)
@@ -272,12 +275,23 @@ class SparseMoeBlock(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             y = y + shared
 
-        q = row_weight.to(device=logits.device, dtype=logits.dtype)
-        z_sum = (q * torch.logsumexp(logits, dim=-1).pow(2)).sum()
-        mass = (q[:, None] * probs).sum(dim=0)
-        with torch.no_grad():
-            top_k = indices.shape[1]
-            count = torch.zeros(probs.shape[1], dtype=q.dtype, device=q.device).index_add(
-                0, indices.reshape(-1), q.repeat_interleave(top_k)
-            )
-        return y, (z_sum, mass, count, q.sum().detach())
+        return y, router_statistics(logits, probs, indices, row_weight)
+
+
+def router_statistics(
+    logits: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor, row_weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One MoE layer's q-weighted sums over rows (module docstring): (z_loss_sum, prob_mass [E], assign_count [E], tokens).
+
+    ``logits`` / ``probs`` [C, E] and ``indices`` [C, k] are the router's (:meth:`TopKRouter.forward`);
+    a row of weight 0 (a padding row) counts in none of the sums.
+    """
+    q = row_weight.to(device=logits.device, dtype=logits.dtype)
+    z_sum = (q * torch.logsumexp(logits, dim=-1).pow(2)).sum()
+    mass = (q[:, None] * probs).sum(dim=0)
+    with torch.no_grad():
+        top_k = indices.shape[1]
+        count = torch.zeros(probs.shape[1], dtype=q.dtype, device=q.device).index_add(
+            0, indices.reshape(-1), q.repeat_interleave(top_k)
+        )
+    return z_sum, mass, count, q.sum().detach()

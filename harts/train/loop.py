@@ -77,7 +77,9 @@ class RunOptions:
     dp: int | None = attrs.field(default=None, validator=OptionRule("int", minimum=1, optional=True))
     parallel: str = attrs.field(default="ddp", validator=_text(optional=False, choices=("ddp", "fsdp")))
     tp: int = attrs.field(default=1, validator=OptionRule("int", minimum=1))  # tensor parallel on megatron-core (harts.parallel)
-    ep: int = attrs.field(default=1, validator=OptionRule("int", minimum=1))
+    ep: int = attrs.field(default=1, validator=OptionRule("int", minimum=1))  # expert parallel on megatron-core
+    # megatron-core's MoE token dispatcher (harts.parallel.moe): allgather or alltoall
+    moe_dispatcher: str = attrs.field(default="allgather", validator=_text(optional=False, choices=("allgather", "alltoall")))
     metrics: str | os.PathLike | None = attrs.field(default=None, validator=_path)
     plot: str | os.PathLike | None = attrs.field(default=None, validator=_path)
     save: str | os.PathLike | None = attrs.field(default=None, validator=_path)
@@ -364,21 +366,21 @@ def _parallel_model(model, reference, options: RunOptions, group, device):
 
     Without ``--tp`` / ``--ep``: the model whole on every rank, wrapped by ``--parallel``, every rank
     a DP replica. With them: megatron-core's layout (harts.parallel), each rank this model's
-    tensor-parallel shard, the DP replicas megatron's data-parallel ranks, DDP over their group.
+    tensor-parallel shard and its experts, the DP replicas megatron's data-parallel ranks, DDP over
+    their group (expert gradients are summed over the expert-data-parallel group by the model).
     """
     if options.tp == 1 and options.ep == 1:
         return (wrap_model(model, options.parallel, device) if group.distributed else model), reference, group.world_size, None
-    if options.ep != 1:
-        raise TrainingError("option --ep: expert parallelism is not available yet (with --tp, MoE experts are replicated over the TP group)")
     if options.parallel != "ddp":
         raise TrainingError(f"option --parallel {options.parallel}: with --tp the data-parallel replicas run under DDP")
     import harts.parallel
     from torch.nn.parallel import DistributedDataParallel
 
     layout = harts.parallel.initialize(tensor_parallel=options.tp, expert_parallel=options.ep)
-    parallel = harts.parallel.TensorParallelHybridModel.from_model(model)
+    parallel = harts.parallel.TensorParallelHybridModel.from_model(model, token_dispatcher=options.moe_dispatcher)
     if reference is not None:
-        reference = harts.parallel.TensorParallelHybridModel.from_model(reference).requires_grad_(False)
+        reference = harts.parallel.TensorParallelHybridModel.from_model(
+            reference, token_dispatcher=options.moe_dispatcher).requires_grad_(False)
     wrapped = parallel
     if layout.data_parallel_size > 1:
         device_ids = [device.index] if device.type == "cuda" else None

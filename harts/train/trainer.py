@@ -131,6 +131,27 @@ class _Part:
 
     microbatch: int
     trajectories: tuple[int, ...]
+    #: A pass run only so that expert-parallel ranks exchange rows in step (see _lockstep_parts).
+    shadow: bool = False
+
+
+def _lockstep_parts(parts: list[_Part], group, model, plan_module, batch, mode: str) -> list[_Part]:
+    """Pad this rank's parts to the group's largest count with shadow passes, under expert parallelism.
+
+    The MoE layers of a model split over an expert-parallel group that spans data-parallel
+    ranks (``model.expert_parallel_lockstep``, harts.parallel) exchange rows with the other
+    ranks in every forward and backward, so every rank must run as many passes. The plan gives
+    each replica K / D microbatches, but the baseline's parts (runs of at most ``capacity`` raw
+    tokens) may differ in number. A shadow pass reruns a part with its loss times 0: the same
+    collectives, no gradient, no metric.
+    """
+    if not getattr(model, "expert_parallel_lockstep", False) or not group.distributed:
+        return parts
+    most = int(group.all_reduce(torch.tensor([len(parts)], device=model.device), "max")[0])
+    if len(parts) == most:
+        return parts
+    rerun = parts[-1] if parts else _parts(plan_module.microbatches[:1], batch, plan_module, mode)[0]
+    return parts + [attrs.evolve(rerun, shadow=True)] * (most - len(parts))
 
 
 def _parts(microbatches, batch, module, mode: str) -> list[_Part]:
@@ -294,7 +315,7 @@ class Trainer:
         self.steps_done += 1
         old_by_microbatch: dict[int, list[torch.Tensor]] = {}
         for position, part in enumerate(step.parts):  # a microbatch's parts are consecutive runs of its sorted members
-            if position in no_grad.old_by_part:
+            if position in no_grad.old_by_part and not part.shadow:
                 old_by_microbatch.setdefault(part.microbatch, []).append(no_grad.old_by_part[position])
         old_log_probs = {index: torch.cat(pieces) for index, pieces in old_by_microbatch.items()}
         return StepResult(step=self.steps_done, mode=config.mode, metrics=metrics, old_log_probs=old_log_probs)
@@ -305,6 +326,7 @@ class Trainer:
         module = bound.module
         group = ProcessGroupInfo.of(self.model, self.process_group)
         parts = _parts(replica_microbatches(module, group.rank, group.world_size), batch, module, config.mode)
+        parts = _lockstep_parts(parts, group, self.module, module, batch, config.mode)
         step_key = (module.input_hash, [(mb.index, mb.replica, mb.slot) for mb in module.microbatches], config)
         group.check_same(step_key, "plan or config")
         tensor_group = getattr(self.module, "tensor_parallel_group", None)
@@ -340,7 +362,8 @@ class Trainer:
                     out = self._run(self.model, batch, plan, part, config, grad=False)
                     if config.recompute_old_log_probs:
                         old_by_part[position] = out.log_probs
-                    routed = out.moe.assign_count if routed is None else routed + out.moe.assign_count
+                    if not part.shadow:
+                        routed = out.moe.assign_count if routed is None else routed + out.moe.assign_count
                     progress("old log-probs")
                 if self.reference_model is not None:
                     ref_by_part[position] = self._run(self.reference_model, batch, plan, part, config,
@@ -368,7 +391,10 @@ class Trainer:
                     routed=no_grad.routed, semantic_tokens=step.semantic_tokens,
                 )
                 # DDP and FSDP2 average gradients over ranks; the shares already carry batch denominators.
-                (terms["loss"] * step.group.world_size).backward()
+                (terms["loss"] * (0 if part.shadow else step.group.world_size)).backward()
+            if part.shadow:
+                progress(f"epoch {epoch + 1}")
+                continue
             for index, name in enumerate(_SUMS):
                 if name in terms:
                     sums[index] += terms[name].detach().to(torch.float64)

@@ -65,7 +65,7 @@ def test_log_probs_and_gradients_equal_the_single_process_model(run, variant, mo
 @pytest.mark.parametrize("mode", ["harts", "baseline"])
 @pytest.mark.parametrize("key", ["log_probs", "replay"])
 def test_moe_statistics_equal_the_single_process_model(run, mode, key):
-    """Experts replicated over the group, each rank routing its rows: the q-weighted router statistics
+    """megatron-core's MoELayer with all experts on every rank (EP = 1), each rank routing its rows: the q-weighted router statistics
     (z-loss sum, probability mass, assignment counts, tokens) are the whole batch's, with and without router replay."""
     found = run[0][f"kda-mla-moe/{mode}/{key}"]
     assert max(value for name, value in found.items() if name != "rows") < TOLERANCE, found

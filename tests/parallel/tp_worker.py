@@ -41,7 +41,7 @@ VARIANTS = {
     "kda-mla": dict(linear="kda", attention="mla"),
     "gdn-gqa": dict(linear="gdn", attention="gqa", num_attention_heads=4, num_key_value_heads=2,
                     attention_output_gate=True, qk_norm=True, norm_zero_centered=True),
-    # experts replicated over the TP group, each rank routing its rows; expert bias and a shared expert
+    # megatron-core's MoELayer (EP = 1 here: every expert on every rank), each rank routing its rows; expert bias and a shared expert
     "kda-mla-moe": dict(linear="kda", attention="mla", ffn="moe", moe_expert_bias=True, moe_intermediate_size=16,
                         shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2),
 }
@@ -191,19 +191,20 @@ def compare_random_trees(examples: int = 4) -> dict:
     return worst
 
 
-def compare_training(variant, layout, batch, mode: str, checkpoint: str | None, alone) -> dict:
+def compare_training(variant, layout, batch, mode: str, checkpoint: str | None, alone, *,
+                     token_dispatcher: str = "allgather", capacity: int = 60) -> dict:
     config = TrainConfig(mode=mode, epochs=2, max_grad_norm=0.5, with_entropy=True, entropy_coef=0.01, temperature=0.9,
                          aux_loss_coef=1e-2, z_loss_coef=1e-3, expert_bias_rate=1e-3)
     lr = 0.05
     native = dense_model(variant)
-    single = harts.compile(batch, capacity=60, dp_size=1, chunk_size=4)
+    single = harts.compile(batch, capacity=capacity, dp_size=1, chunk_size=4)
     want = Trainer(native, torch.optim.SGD(native.parameters(), lr=lr), config, process_group=alone).step(batch, single)
 
-    parallel = harts.parallel.TensorParallelHybridModel.from_model(dense_model(variant))
+    parallel = harts.parallel.TensorParallelHybridModel.from_model(dense_model(variant), token_dispatcher=token_dispatcher)
     wrapped = parallel
-    if layout.data_parallel_size > 1:
+    if layout.data_parallel_size > 1:  # DDP leaves the expert parameters to parallel.finalize_gradients
         wrapped = DistributedDataParallel(parallel, process_group=layout.data_parallel_group)
-    plan = harts.compile(batch, capacity=60, dp_size=layout.data_parallel_size, chunk_size=4)
+    plan = harts.compile(batch, capacity=capacity, dp_size=layout.data_parallel_size, chunk_size=4)
     trainer = Trainer(wrapped, torch.optim.SGD(parallel.parameters(), lr=lr), config,
                       process_group=layout.data_parallel_group)
     got = trainer.step(batch, plan)
@@ -212,6 +213,9 @@ def compare_training(variant, layout, batch, mode: str, checkpoint: str | None, 
     if checkpoint is not None and mode == "harts":
         save_weights(wrapped, checkpoint, rank=dist.get_rank())
         report["checkpoint_log_probs"] = log_probs(parallel, single, batch).packed.tolist()
+    if native.config.num_moe_layers:
+        report |= {key: max(abs(a[key] - b[key]) for a, b in zip(got.metrics, want.metrics))
+                   for key in ("z_loss", "load_balancing_loss")}
     return report | {
         "loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(got.metrics, want.metrics)),
         "grad_norm": max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(got.metrics, want.metrics)),
