@@ -292,6 +292,7 @@ def train_command(
     parallel: Optional[str] = typer.Option(None, "--parallel", help="Data-parallel wrapper under torchrun: ddp (default) or fsdp (FSDP2)."),
     tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size T on megatron-core (torchrun world = T x D; default 1: no megatron-core)."),
     ep: Optional[int] = typer.Option(None, "--ep", help="Expert-parallel size on megatron-core (not yet: with --tp, MoE experts are replicated over the TP group)."),
+    dp_engine: Optional[str] = typer.Option(None, "--dp-engine", help="Data parallelism on megatron-core's layout: megatron (its DDP + distributed optimizer; CUDA only) or torch (torch DDP + AdamW). Default: megatron with --tp/--ep on CUDA, torch otherwise."),
     recompute: Optional[bool] = typer.Option(None, "--recompute/--no-recompute", help="Full-layer activation recomputation (default off)."),
     save: Optional[Path] = typer.Option(None, "--save", help="Write the trained weights to this .safetensors file."),
     task: Optional[str] = typer.Option(None, "--task", help="Online RL on a task instead of a fixed batch: the policy samples rollout trees each step (tasks: count; see harts.tasks)."),
@@ -304,7 +305,7 @@ def train_command(
         input=input, task=task, preset=preset, hf=hf, steps=steps, epochs=epochs, lr=lr, mode=mode, dtype=dtype, seed=seed,
         metrics=None if metrics is None else str(metrics), plot=None if plot is None else str(plot), algorithm=algorithm,
         kl_coef=kl_coef, temperature=temperature, capacity=capacity, chunk_size=chunk_size, dp=dp, parallel=parallel,
-        tp=tp, ep=ep, recompute=recompute, save=None if save is None else str(save), matmul_precision=matmul_precision,
+        tp=tp, ep=ep, dp_engine=dp_engine, recompute=recompute, save=None if save is None else str(save), matmul_precision=matmul_precision,
     )
     options = load_options(flags, config)
     check_run_outputs(options, config=config)
