@@ -159,6 +159,7 @@ def _refuse_unknown(values: Mapping[str, Any], sources: Mapping[str, str], known
 _CONFLICTS = (
     ("hf", "preset", "a --hf checkpoint brings its own architecture; give --preset or --hf, not both"),
     ("task", "dp", "an online task runs on one process and plans each step for it; --dp applies to a fixed batch"),
+    ("task", "dp_engine", "an online task runs on one process; --dp-engine picks the data parallelism of a megatron-core layout"),
 )
 
 

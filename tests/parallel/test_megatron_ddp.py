@@ -79,6 +79,8 @@ def test_the_option_is_read_from_flags_and_yaml_and_checked(tmp_path):
     config.write_text("dp_engine: 1\n")
     with pytest.raises(TrainingError, match=f"config {config}: option 'dp_engine' must be a string"):
         load_options({}, config)
+    with pytest.raises(TrainingError, match="option --task and option --dp-engine do not go together"):
+        load_options({"task": "count", "dp_engine": "torch"})
     with pytest.raises(TrainingError, match="RunOptions.dp_engine must be one of torch, megatron"):
         RunOptions(dp_engine="Megatron")
 
