@@ -203,7 +203,9 @@ class Trainer:
 
     Args:
         model: a :class:`~harts.runtime.HybridModel`, or the same wrapped for data parallelism
-            (``DistributedDataParallel``, or passed to FSDP2's ``fully_shard``).
+            (``DistributedDataParallel``, or passed to FSDP2's ``fully_shard``); a
+            :class:`~harts.parallel.TensorParallelHybridModel`, alone, in torch DDP or in
+            megatron-core's (:func:`harts.parallel.optim.wrap_megatron`).
         optimizer: any ``torch.optim`` optimizer over the model's parameters; for a model in
             megatron-core's ``DistributedDataParallel``, megatron-core's optimizer
             (:func:`harts.parallel.optim.megatron_optimizer`), which then reduces, clips and steps.
