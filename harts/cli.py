@@ -293,6 +293,7 @@ def train_command(
     tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size T on megatron-core (torchrun world = T x D; default 1: no megatron-core)."),
     ep: Optional[int] = typer.Option(None, "--ep", help="Expert-parallel size E on megatron-core: each rank holds 1/E of every MoE layer's experts (E divides the torchrun world)."),
     moe_dispatcher: Optional[str] = typer.Option(None, "--moe-dispatcher", help="megatron-core MoE token dispatcher with --tp / --ep: allgather (default) or alltoall."),
+    dp_engine: Optional[str] = typer.Option(None, "--dp-engine", help="Data parallelism on megatron-core's layout: megatron (its DDP + distributed optimizer; CUDA only) or torch (torch DDP + AdamW). Default: megatron with --tp/--ep on CUDA, torch otherwise."),
     recompute: Optional[bool] = typer.Option(None, "--recompute/--no-recompute", help="Full-layer activation recomputation (default off)."),
     save: Optional[Path] = typer.Option(None, "--save", help="Write the trained weights to this .safetensors file."),
     task: Optional[str] = typer.Option(None, "--task", help="Online RL on a task instead of a fixed batch: the policy samples rollout trees each step (tasks: count; see harts.tasks)."),
@@ -305,7 +306,7 @@ def train_command(
         input=input, task=task, preset=preset, hf=hf, steps=steps, epochs=epochs, lr=lr, mode=mode, dtype=dtype, seed=seed,
         metrics=None if metrics is None else str(metrics), plot=None if plot is None else str(plot), algorithm=algorithm,
         kl_coef=kl_coef, temperature=temperature, capacity=capacity, chunk_size=chunk_size, dp=dp, parallel=parallel,
-        tp=tp, ep=ep, moe_dispatcher=moe_dispatcher, recompute=recompute, save=None if save is None else str(save), matmul_precision=matmul_precision,
+        tp=tp, ep=ep, moe_dispatcher=moe_dispatcher, dp_engine=dp_engine, recompute=recompute, save=None if save is None else str(save), matmul_precision=matmul_precision,
     )
     options = load_options(flags, config)
     check_run_outputs(options, config=config)

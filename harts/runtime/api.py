@@ -125,10 +125,15 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
     Read attributes (``config``, ``lm_head``) from it; call the wrapper itself for forward.
     """
+    import sys
+
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
+    # megatron-core's DDP (harts.parallel.optim), recognised without importing megatron-core
+    megatron = sys.modules.get("megatron.core.distributed")
+    wrappers = (DistributedDataParallel, DataParallel) + ((megatron.DistributedDataParallel,) if megatron else ())
     while True:
-        if isinstance(model, (DistributedDataParallel, DataParallel)):
+        if isinstance(model, wrappers):
             model = model.module
         elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
             model = model._orig_mod

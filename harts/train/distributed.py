@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,7 +32,10 @@ from harts.ir.nodes import Microbatch
 from harts.train.config import TrainingError
 
 __all__ = [
+    "DP_ENGINES",
     "ProcessGroupInfo",
+    "dp_engine",
+    "is_megatron_wrapper",
     "gradient_sync",
     "init_from_environment",
     "replica_microbatches",
@@ -41,11 +45,14 @@ __all__ = [
 
 
 def wrapper_kind(model: nn.Module) -> str | None:
-    """``"ddp"``, ``"fsdp2"`` (a module passed to ``fully_shard``), ``"fsdp1"`` or None (a plain module)."""
+    """``"ddp"``, ``"megatron"`` (megatron-core's DDP), ``"fsdp2"`` (a module passed to ``fully_shard``),
+    ``"fsdp1"`` or None (a plain module)."""
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel):
         return "ddp"
+    if is_megatron_wrapper(model):
+        return "megatron"
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch without FSDP2
@@ -59,9 +66,18 @@ def wrapper_kind(model: nn.Module) -> str | None:
     return None
 
 
+def is_megatron_wrapper(model: nn.Module) -> bool:
+    """Whether ``model`` is megatron-core's ``DistributedDataParallel`` (megatron is not imported for the answer)."""
+    megatron = sys.modules.get("megatron.core.distributed")
+    return megatron is not None and isinstance(model, megatron.DistributedDataParallel)
+
+
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
-    """Forward and backward inside this context synchronise gradients only if ``enabled``."""
+    """Forward and backward inside this context synchronise gradients only if ``enabled``.
+
+    (megatron DDP's ``no_sync`` matters only with ``overlap_grad_reduce``: otherwise it reduces in
+    ``finalize_model_grads``, after the last microbatch.)"""
     kind = wrapper_kind(model)
     if enabled or kind is None:
         yield
@@ -185,3 +201,33 @@ def wrap_model(model: nn.Module, parallel: str, device: torch.device) -> nn.Modu
             model.set_reduce_scatter_unused_params(True)
         return model
     raise TrainingError(f"parallel must be 'ddp' or 'fsdp', got {parallel!r}")
+
+
+# ---------------------------------------------------------------- which data-parallel engine
+
+#: ``torch``: torch DDP / FSDP2 and a torch optimizer; ``megatron``: megatron-core's DDP,
+#: ``finalize_model_grads`` and distributed optimizer (harts.parallel.optim; CUDA only).
+DP_ENGINES = ("torch", "megatron")
+
+
+def refuse_megatron_off_cuda(device: torch.device, source: str) -> None:
+    """A :class:`TrainingError` naming ``source`` unless ``device`` is a CUDA device (see harts.parallel.optim for why)."""
+    if torch.device(device).type != "cuda":
+        raise TrainingError(
+            f"{source}: megatron-core's DistributedDataParallel and distributed optimizer run on CUDA only (their "
+            f"gradient buffers, streams and norm tensors are allocated on torch.cuda.current_device()); this run is on "
+            f"{torch.device(device)}. Use --dp-engine torch (torch DDP over megatron's data-parallel group) on the CPU"
+        )
+
+
+def dp_engine(engine: str | None, *, tp: int, ep: int, device: torch.device, source: str = "option --dp-engine") -> str:
+    """The run's data-parallel engine: ``engine``, or by default ``megatron`` for a megatron-core layout
+    (``--tp`` / ``--ep`` > 1) on CUDA and ``torch`` otherwise. ``megatron`` off CUDA is refused here,
+    before megatron-core is imported."""
+    if engine is None:
+        return "megatron" if (tp > 1 or ep > 1) and torch.device(device).type == "cuda" else "torch"
+    if engine not in DP_ENGINES:
+        raise TrainingError(f"{source} must be one of {', '.join(DP_ENGINES)}, got {engine!r}")
+    if engine == "megatron":
+        refuse_megatron_off_cuda(device, f"{source} megatron")
+    return engine

@@ -26,7 +26,7 @@ from harts._version import __version__
 from harts.errors import OutputError
 from harts.options import DEFAULT_OPTIONS, MAX_CAPACITY, MAX_CHUNK_SIZE
 from harts.train.config import MAX_SEED, OptionRule, TrainConfig, TrainingError, option_problem
-from harts.train.distributed import init_from_environment, wrap_model
+from harts.train.distributed import DP_ENGINES, dp_engine, init_from_environment, is_megatron_wrapper, wrap_model
 from harts.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -80,6 +80,9 @@ class RunOptions:
     ep: int = attrs.field(default=1, validator=OptionRule("int", minimum=1))  # expert parallel on megatron-core
     # megatron-core's MoE token dispatcher (harts.parallel.moe): allgather or alltoall
     moe_dispatcher: str = attrs.field(default="allgather", validator=_text(optional=False, choices=("allgather", "alltoall")))
+    # data parallelism on megatron-core's layout: "megatron" (its DDP + distributed optimizer, CUDA) or
+    # "torch" (torch DDP + AdamW); None: megatron with --tp / --ep on CUDA, torch otherwise
+    dp_engine: str | None = attrs.field(default=None, validator=_text(choices=DP_ENGINES))
     metrics: str | os.PathLike | None = attrs.field(default=None, validator=_path)
     plot: str | os.PathLike | None = attrs.field(default=None, validator=_path)
     save: str | os.PathLike | None = attrs.field(default=None, validator=_path)
@@ -158,6 +161,7 @@ def _refuse_unknown(values: Mapping[str, Any], sources: Mapping[str, str], known
 _CONFLICTS = (
     ("hf", "preset", "a --hf checkpoint brings its own architecture; give --preset or --hf, not both"),
     ("task", "dp", "an online task runs on one process and plans each step for it; --dp applies to a fixed batch"),
+    ("task", "dp_engine", "an online task runs on one process; --dp-engine picks the data parallelism of a megatron-core layout"),
 )
 
 
@@ -225,9 +229,15 @@ def training_advantages(batch) -> Any:
     return group_advantages(batch.trajectory_fields["reward"], groups)
 
 
-def make_optimizer(model, options: RunOptions) -> torch.optim.Optimizer:
-    """AdamW over the model's parameters with the run's learning rate, weight decay and eps."""
+def make_optimizer(model, options: RunOptions):
+    """AdamW over the model's parameters with the run's learning rate, weight decay and eps (megatron-core's
+    distributed one, with the step's gradient clipping, for a model in megatron-core's DDP)."""
     extra = {} if options.adam_eps is None else {"eps": options.adam_eps}
+    if is_megatron_wrapper(model):
+        from harts.parallel.optim import megatron_optimizer
+
+        return megatron_optimizer(model, lr=options.lr, weight_decay=options.weight_decay,
+                                  max_grad_norm=options.train.max_grad_norm, **extra)
     return torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=options.weight_decay, **extra)
 
 
@@ -364,15 +374,18 @@ class TrainingRun:
 def _parallel_model(model, reference, options: RunOptions, group, device):
     """(model to train, reference model, data-parallel degree, data-parallel group) for the run's layout.
 
-    Without ``--tp`` / ``--ep``: the model whole on every rank, wrapped by ``--parallel``, every rank
-    a DP replica. With them: megatron-core's layout (harts.parallel), each rank this model's
-    tensor-parallel shard and its experts, the DP replicas megatron's data-parallel ranks, DDP over
-    their group (expert gradients are summed over the expert-data-parallel group by the model).
+    Without ``--tp`` / ``--ep`` (and ``--dp-engine megatron``): the model whole on every rank, wrapped by
+    ``--parallel``, every rank a DP replica. With them: megatron-core's layout (harts.parallel), each rank
+    this model's tensor-parallel shard and its experts, the DP replicas megatron's data-parallel ranks, under
+    megatron-core's DDP and distributed optimizer (``--dp-engine megatron``, the default on CUDA) or torch
+    DDP over their group (expert gradients then summed over the expert-data-parallel group by the model).
     """
-    if options.tp == 1 and options.ep == 1:
+    engine = dp_engine(options.dp_engine, tp=options.tp, ep=options.ep, device=device)
+    if options.tp == 1 and options.ep == 1 and engine == "torch":
         return (wrap_model(model, options.parallel, device) if group.distributed else model), reference, group.world_size, None
     if options.parallel != "ddp":
-        raise TrainingError(f"option --parallel {options.parallel}: with --tp the data-parallel replicas run under DDP")
+        raise TrainingError(f"option --parallel {options.parallel}: on megatron-core's layout (--tp, --ep, --dp-engine megatron) "
+                            "the data-parallel replicas run under DDP")
     import harts.parallel
     from torch.nn.parallel import DistributedDataParallel
 
@@ -382,7 +395,11 @@ def _parallel_model(model, reference, options: RunOptions, group, device):
         reference = harts.parallel.TensorParallelHybridModel.from_model(
             reference, token_dispatcher=options.moe_dispatcher).requires_grad_(False)
     wrapped = parallel
-    if layout.data_parallel_size > 1:
+    if engine == "megatron":  # even at DP = 1: finalize_model_grads also sums the replicated gradients over TP
+        from harts.parallel.optim import wrap_megatron
+
+        wrapped = wrap_megatron(parallel)
+    elif layout.data_parallel_size > 1:
         device_ids = [device.index] if device.type == "cuda" else None
         wrapped = DistributedDataParallel(parallel, device_ids=device_ids, process_group=layout.data_parallel_group)
     return wrapped, reference, layout.data_parallel_size, layout.data_parallel_group

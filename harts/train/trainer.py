@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -58,7 +59,7 @@ from harts.rl import (
 from harts.runtime.api import MicrobatchOutput, bind_plan, microbatch_log_probs, microbatch_log_probs_baseline, unwrap_model
 from harts.runtime.moe import MoEStats, apply_expert_bias_update, load_balancing_loss, z_loss
 from harts.train.config import TrainConfig, TrainingError
-from harts.train.distributed import ProcessGroupInfo, gradient_sync, replica_microbatches
+from harts.train.distributed import ProcessGroupInfo, gradient_sync, is_megatron_wrapper, replica_microbatches
 
 logger = logging.getLogger(__name__)
 
@@ -223,8 +224,12 @@ class Trainer:
 
     Args:
         model: a :class:`~harts.runtime.HybridModel`, or the same wrapped for data parallelism
-            (``DistributedDataParallel``, or passed to FSDP2's ``fully_shard``).
-        optimizer: any ``torch.optim`` optimizer over the model's parameters.
+            (``DistributedDataParallel``, or passed to FSDP2's ``fully_shard``); a
+            :class:`~harts.parallel.TensorParallelHybridModel`, alone, in torch DDP or in
+            megatron-core's (:func:`harts.parallel.optim.wrap_megatron`).
+        optimizer: any ``torch.optim`` optimizer over the model's parameters; for a model in
+            megatron-core's ``DistributedDataParallel``, megatron-core's optimizer
+            (:func:`harts.parallel.optim.megatron_optimizer`), which then reduces, clips and steps.
         config: :class:`TrainConfig`.
         reference_model: frozen model for reference log-probs (KL); None: the batch's
             ``ref_log_probs`` field, if any.
@@ -255,6 +260,7 @@ class Trainer:
         self.kernels = kernels
         self.steps_done = 0
         self.optimizer_steps = 0
+        self._megatron = _megatron_stepper(model, optimizer)
 
     # ------------------------------------------------------------------ helpers
 
@@ -304,7 +310,7 @@ class Trainer:
         config = self.config if mode is None else self.config.replace(mode=mode)
         step = self._prepare(batch, plan, config, advantages)
         progress = _Progress(on_microbatch, (step.no_grad_passes + config.epochs) * len(step.parts))
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         started = self._now()
         no_grad = self._no_grad_passes(step, progress)
         logprob_seconds = self._now() - started
@@ -467,9 +473,16 @@ class Trainer:
         parts["loss"] = loss
         return parts
 
-    def _clip_and_step(self, config: TrainConfig, local_loss: torch.Tensor, group: ProcessGroupInfo, epoch: int) -> float:
+    def _zero_grad(self) -> None:
+        (self._megatron or self.optimizer).zero_grad(set_to_none=True)
+
+    def _gradient_norm(self, max_norm: float) -> torch.Tensor | float:
+        """Reduce the accumulated gradients, measure the whole model's norm and (torch path) clip to ``max_norm``."""
+        if self._megatron is not None:
+            # megatron-core's DDP: finalize_model_grads does the DP reduction and the TP sum of the
+            # replicated parameters (harts.parallel.optim), so HARTS' own sum must not run as well
+            return self._megatron.gradient_norm()
         parameters = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = float("inf") if config.max_grad_norm is None else config.max_grad_norm
         # A model split over a tensor-parallel group (harts.parallel) sums its replicated parameters'
         # gradients over the group and measures the norm of the whole model, shards and replicas once.
         finalize = getattr(self.module, "finalize_gradients", None)
@@ -482,19 +495,27 @@ class Trainer:
             norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm) if parameters else torch.zeros(())
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
             norm = norm.full_tensor()
+        return norm
+
+    def _clip_and_step(self, config: TrainConfig, local_loss: torch.Tensor, group: ProcessGroupInfo, epoch: int) -> float:
+        max_norm = float("inf") if config.max_grad_norm is None else config.max_grad_norm
+        norm = self._gradient_norm(max_norm)
         # the batch loss over every rank, so that all ranks refuse the same step together
         loss = float(group.all_reduce(local_loss.detach().clone().reshape(1))[0])
         if not (math.isfinite(loss) and math.isfinite(float(norm))):
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
             raise NonFiniteStepError(
                 f"step {self.steps_done + 1}, epoch {epoch + 1}: the loss is {loss} and the gradient norm {float(norm)}; "
                 "the optimizer step was not taken (the weights are those before it). Check the learning rate, the "
                 "temperature and the batch's advantages, rewards and log-probs"
             )
-        self.optimizer.step()
+        if self._megatron is not None:
+            self._megatron.clip_and_step(float(norm), config.max_grad_norm)
+        else:
+            self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         return float(norm)
 
     def _update_expert_bias(self, loads: torch.Tensor, rate: float) -> None:
@@ -534,6 +555,25 @@ class Trainer:
             "rows_per_second": total["rows"] / peak["fbgrad_seconds"] if peak["fbgrad_seconds"] > 0 else None,
             "optimizer_seconds": peak["optimizer_seconds"],
         }
+
+
+def _megatron_stepper(model: nn.Module, optimizer: Any):
+    """harts.parallel.optim's stepper when ``model`` is in megatron-core's DDP (its optimizer must be megatron's), else None."""
+    megatron_optimizers = sys.modules.get("megatron.core.optimizer")
+    megatron_optimizer = megatron_optimizers is not None and isinstance(optimizer, megatron_optimizers.MegatronOptimizer)
+    if not is_megatron_wrapper(model):
+        if megatron_optimizer:
+            raise TrainingError("a megatron-core optimizer needs the model in megatron-core's DistributedDataParallel "
+                                "(harts.parallel.optim.wrap_megatron)")
+        return None
+    if not megatron_optimizer:
+        # megatron DDP moves every gradient into its buffers (param.main_grad) and leaves param.grad None:
+        # a torch optimizer would silently step nothing
+        raise TrainingError(f"a model in megatron-core's DistributedDataParallel needs megatron-core's optimizer "
+                            f"(harts.parallel.optim.megatron_optimizer), got {type(optimizer).__name__}")
+    from harts.parallel.optim import MegatronStepper
+
+    return MegatronStepper(model, optimizer)
 
 
 def train_step(model, optimizer, batch, plan, config: TrainConfig | None = None, **options) -> StepResult:
