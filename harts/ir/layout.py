@@ -405,7 +405,8 @@ class MicrobatchLayout:
                 return f"{name} is not a valid offset array over {total} entries"
         for name in ("trajectory_rows", "ancestor_rows"):
             values = getattr(self, name)
-            if values.size and (values.min() < 0 or values.max() >= rows):
+            # one pass over these long arrays: read as unsigned, a negative row is larger than any valid one
+            if values.size and int(values.view(np.uint64).max()) >= rows:
                 return f"{name} holds a row outside [0, {rows})"
         if self.export_chunk.shape[0] != exports:
             return "export_chunk and export_position differ in length"
