@@ -232,12 +232,10 @@ COMPILE_TARGET_SECONDS = 1.0
 
 def _forget_hashes(batch) -> None:
     """Drop the batch's cached content hashes, so the next compile hashes its tokens again, as a compile of a new
-    step does (the hashes are ``functools.cached_property`` values; deleting one clears it)."""
+    step does. The hashes are ``functools.cached_property`` values in the instance dict; the batch is a frozen attrs
+    class, whose ``__delattr__`` refuses, so they are popped from the dict itself."""
     for name in ("_input_hash", "_hash"):
-        try:
-            delattr(batch, name)
-        except AttributeError:
-            pass
+        vars(batch).pop(name, None)
 
 
 def compile_times(batch, capacity: int, dp_size: int, repeats: int) -> dict:
