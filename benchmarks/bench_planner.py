@@ -22,8 +22,9 @@ no sharing at all (1,500 and 3,000 unrelated trajectories), one very wide tree (
 4,300 paths) and the SWE-like step itself, at ``--shape-dp`` (default 8) and T = ``--capacity``.
 Per shape it reports the planner's wall and CPU time (the two planning passes, median of
 ``--repeats``), the time and work units (:mod:`harts.planner.budget`) of every stage beyond the
-paper against its budget, ``harts.compile`` end to end (verification on, as by default: wall
-and CPU; verification off; and each pass's time beside it), and J of the full planner against
+paper against its budget, ``harts.compile`` end to end (verification on, as by default, and the
+batch hashed afresh each run: the best wall time of ``--repeats`` and its CPU time, pass or FAIL
+against the 1 s target of issue 27; verification off; and each pass's time beside it), and J of the full planner against
 the paper's stages alone (its candidate set without slot balancing or subtree exchange).
 Benchmarks only: no test asserts a time.
 """
@@ -218,30 +219,52 @@ def run_shapes(args, shapes: dict = SHAPES) -> dict:
         })
         logger.info("%s: %d paths, plan %.3f s (CPU %.3f s), J %s (paper %s), work %s", name, len(batch), wall, cpu,
                     rows[-1]["objective"], rows[-1]["paper_objective"], full.work)
+        logger.info("%s: harts.compile end to end %.3f s (CPU %.3f s), target %.1f s: %s; passes %s", name,
+                    compiled["compile_seconds"], compiled["compile_cpu_seconds"], COMPILE_TARGET_SECONDS,
+                    _verdict(compiled["compile_seconds"]), _pass_times(compiled))
     return {"args": {"capacity": args.capacity, "shape_dp": args.shape_dp, "repeats": args.repeats, "shapes": list(args.shape_names)},
             "shapes": rows, "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"}
 
 
+#: the end-to-end target of issue 27: ``harts.compile`` of one step, verification on, within a second on this CPU
+COMPILE_TARGET_SECONDS = 1.0
+
+
+def _forget_hashes(batch) -> None:
+    """Drop the batch's cached content hashes, so the next compile hashes its tokens again, as a compile of a new
+    step does. The hashes are ``functools.cached_property`` values in the instance dict; the batch is a frozen attrs
+    class, whose ``__delattr__`` refuses, so they are popped from the dict itself."""
+    for name in ("_input_hash", "_hash"):
+        vars(batch).pop(name, None)
+
+
 def compile_times(batch, capacity: int, dp_size: int, repeats: int) -> dict:
-    """``harts.compile`` end to end (lowering, hashing, every pass, every verifier, the plan in memory), median of
-    ``repeats`` runs with verification on and off, and each pass's time in the median verified run."""
+    """``harts.compile`` end to end (lowering, hashing, every pass, every verifier, the plan in memory), the best of
+    ``repeats`` runs (wall clock, and the CPU time of that run) with verification on and off, each run hashing the
+    batch afresh, and each pass's time in the best verified run. The best run, not the median: the machine is
+    shared, and other jobs only ever add time."""
     import harts
     from harts.passes.manager import TimePasses
 
     def once(verify: bool) -> tuple[float, float, dict]:
         timer = TimePasses()
+        _forget_hashes(batch)
         wall, cpu = time.perf_counter(), time.process_time()
         harts.compile(batch, capacity=capacity, dp_size=dp_size, verify=verify, instruments=[timer])
         return time.perf_counter() - wall, time.process_time() - cpu, dict(timer.seconds)
 
-    verified = sorted((once(True) for _ in range(repeats)), key=lambda run: run[0])[repeats // 2]
-    unverified = statistics.median(once(False)[0] for _ in range(repeats))
+    verified = min((once(True) for _ in range(repeats)), key=lambda run: run[0])
+    unverified = min(once(False)[0] for _ in range(repeats))
     return {"compile_seconds": verified[0], "compile_cpu_seconds": verified[1], "compile_unverified_seconds": unverified,
-            "pass_seconds": verified[2]}
+            "pass_seconds": verified[2], "compile_within_target": verified[0] < COMPILE_TARGET_SECONDS}
 
 
 def _pass_times(row: dict) -> str:
     return " / ".join(f"{seconds:.2f}" for seconds in row.get("pass_seconds", {}).values())
+
+
+def _verdict(seconds: float) -> str:
+    return "pass" if seconds < COMPILE_TARGET_SECONDS else "FAIL"
 
 
 def render_shapes(result: dict) -> str:
@@ -255,13 +278,14 @@ def render_shapes(result: dict) -> str:
     lines.append(f"T = {args['capacity']:,}, D = {args['shape_dp']}. Plan: the `partition-microbatches` + `schedule-slots` passes "
                  "(median of the repeats). Work: units used / budget of each stage beyond the paper "
                  "(`harts.planner.budget`: candidate changes or placements evaluated, trajectories visited per round). "
-                 "harts.compile: end to end with verification on (lowering, hashing, every pass, every verifier, the plan "
-                 "in memory; median of the repeats, wall and CPU), without verification, and each pass's time in that run "
-                 "(" + " / ".join(harts_pipeline()) + ").")
+                 "harts.compile: end to end with verification on (lowering, hashing the batch afresh, every pass, every "
+                 "verifier, the plan in memory; the best of the repeats, wall, and the CPU time of that run), against the "
+                 f"{COMPILE_TARGET_SECONDS:g} s target (issue 27), without verification (best of the repeats), and each "
+                 "pass's time in the best verified run (" + " / ".join(harts_pipeline()) + ").")
     lines.append("")
     lines.append("| Shape | Paths | Raw tokens | G | Plan (s) | Plan CPU (s) | beyond-paper stages (s) | Work recut / pieces / exchange / balance "
-                 "(budget each) | harts.compile (s) | compile CPU (s) | unverified (s) | passes (s) | J1 HARTS (paper's stages) | J2 HARTS (paper's stages) | paper's stages plan (s) |")
-    lines.append("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|")
+                 "(budget each) | harts.compile (s) | target 1 s | compile CPU (s) | unverified (s) | passes (s) | J1 HARTS (paper's stages) | J2 HARTS (paper's stages) | paper's stages plan (s) |")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---|---:|---:|---:|")
     for row in result["shapes"]:
         work = " / ".join(_fmt(row["work"][stage]) for stage in ("recut", "pieces", "exchange", "balance"))
         budget = _fmt(next(iter(row["work_limits"].values())))
@@ -269,9 +293,14 @@ def render_shapes(result: dict) -> str:
         lines.append(
             f"| {row['description']} | {_fmt(row['paths'])} | {_fmt(row['raw_tokens'])} | {_fmt(row['lower_bound'])} | "
             f"{row['seconds']:.3f} | {row['cpu_seconds']:.3f} | {row['extension_seconds']:.3f} | {work} ({budget}) | "
-            f"{row['compile_seconds']:.2f} | {row.get('compile_cpu_seconds', float('nan')):.2f} | "
+            f"{row['compile_seconds']:.2f} | {_verdict(row['compile_seconds'])} | {row.get('compile_cpu_seconds', float('nan')):.2f} | "
             f"{row.get('compile_unverified_seconds', float('nan')):.2f} | {_pass_times(row)} | {_fmt(j[0])} ({_fmt(p[0])}) | {_fmt(j[1])} ({_fmt(p[1])}) | {row['paper_seconds']:.3f} |"
         )
+    lines.append("")
+    within = [row["shape"] for row in result["shapes"] if row["compile_seconds"] < COMPILE_TARGET_SECONDS]
+    over = [f"{row['shape']} ({row['compile_seconds']:.2f} s)" for row in result["shapes"] if row["compile_seconds"] >= COMPILE_TARGET_SECONDS]
+    lines.append(f"harts.compile end to end within {COMPILE_TARGET_SECONDS:g} s on {len(within)} of {len(result['shapes'])} shapes"
+                 + (f"; over it: {', '.join(over)}." if over else "."))
     lines.append("")
     return "\n".join(lines)
 

@@ -75,14 +75,12 @@ def build_layout(module: Module, microbatch_index: int) -> MicrobatchLayout:
 
     # The map m: every member's trie path, node by node, in member order.
     parent, node_start, node_end, _ = trie.node_arrays()
-    _, path_nodes = trie.paths_of(members, parent)
+    owner, path_nodes = trie.paths_of(members, parent)
     node_length = node_end - node_start
     trajectory_rows = concatenated_ranges(node_row[path_nodes], node_length[path_nodes])
     trajectory_offsets = offsets_of([module.trajectories[int(i)].length for i in members])
     rows = int(seq_row_start[-1])
-    member_start = trajectory_offsets[:-1]
-    sequence_member_start = member_start[np.searchsorted(members, seq_trajectory)]
-
+    member_of_sequence = np.searchsorted(members, seq_trajectory)
 
     layout = MicrobatchLayout(
         microbatch=microbatch.index,
@@ -92,7 +90,7 @@ def build_layout(module: Module, microbatch_index: int) -> MicrobatchLayout:
         trajectory_rows=trajectory_rows,
         row_trajectory=np.repeat(seq_trajectory, spans),
         row_position=concatenated_ranges(seq_start, spans),
-        row_multiplicity=np.bincount(trajectory_rows, minlength=rows),
+        row_multiplicity=_row_multiplicity(node_row, node_length, path_nodes),
         round_seq_start=offsets_of([len(round_.sequences) for round_ in microbatch.rounds]),
         seq_round=seq_round,
         seq_trajectory=seq_trajectory,
@@ -101,7 +99,7 @@ def build_layout(module: Module, microbatch_index: int) -> MicrobatchLayout:
         seq_replay_start=seq_replay_start,
         seq_row_start=seq_row_start,
         ancestor_offsets=offsets_of(seq_start),
-        ancestor_rows=trajectory_rows[concatenated_ranges(sequence_member_start, seq_start)],
+        ancestor_rows=_ancestor_rows(owner, path_nodes, node_row, node_start, node_end, member_of_sequence, seq_start),
         **state_handoffs(sequences, chunk),
     )
     logger.debug(
@@ -109,6 +107,37 @@ def build_layout(module: Module, microbatch_index: int) -> MicrobatchLayout:
         microbatch.index, rows, len(sequences), layout.num_rounds, layout.num_exports, layout.replay_tokens,
     )
     return layout
+
+
+def _row_multiplicity(node_row: np.ndarray, node_length: np.ndarray, path_nodes: np.ndarray) -> np.ndarray:
+    """q of every row: the members through the trie node the row belongs to.
+
+    Every row is one position of one used trie node (each output once, by the rounds), so q is each used
+    node's member count repeated over its rows in row order: one pass over the rows instead of counting
+    the map m's entries (one per semantic token).
+    """
+    through = np.bincount(path_nodes, minlength=node_row.size)
+    used = np.flatnonzero(node_row >= 0)
+    used = used[np.argsort(node_row[used], kind="stable")]
+    return np.repeat(through[used], node_length[used])
+
+
+def _ancestor_rows(owner: np.ndarray, path_nodes: np.ndarray, node_row: np.ndarray, node_start: np.ndarray,
+                   node_end: np.ndarray, member_of_sequence: np.ndarray, seq_start: np.ndarray) -> np.ndarray:
+    """Every sequence's ancestor rows (its trajectory's rows at positions ``[0, start)``), laid end to end.
+
+    Built from the trie runs of its member's path cut at ``start``, not gathered from the map m: these lists
+    are often longer than m itself, and a gather would first build an index array as long.
+    """
+    # pairs ascend by (owner, node start): a path runs root first; those starting before ``start`` hold the prefix
+    span = int(node_end.max(initial=0)) + 1
+    keys = owner * span + node_start[path_nodes]
+    first = np.searchsorted(keys, member_of_sequence * span)
+    counts = np.searchsorted(keys, member_of_sequence * span + seq_start) - first
+    pairs = concatenated_ranges(first, counts)
+    nodes = path_nodes[pairs]
+    cut = np.minimum(node_end[nodes], np.repeat(seq_start, counts))
+    return concatenated_ranges(node_row[nodes], cut - node_start[nodes])
 
 
 def lay_out(module: Module) -> LaidOutModule:

@@ -88,13 +88,26 @@ def decode_arithmetic_runs(starts: np.ndarray, steps: np.ndarray, lengths: np.nd
 
 
 def concatenated_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + n)`` for every (s, n), vectorised."""
-    lengths = np.asarray(lengths, dtype=np.int64)
+    """Concatenation of ``arange(s, s + n)`` for every (s, n), vectorised.
+
+    Built as one cumulative sum of the steps (1 inside a range, the jump to the next range's start at
+    its first entry): the arrays laid out are one entry per semantic token, so the passes over the
+    output are the cost, and this takes two (a fill and the sum) where ``repeat + arange`` takes four.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+    if lengths.size and lengths.min() < 0:
+        raise ValueError("concatenated_ranges: a range of negative length")
     total = int(lengths.sum())
     if total == 0:
         return np.zeros(0, dtype=np.int64)
-    offsets = np.cumsum(lengths) - lengths
-    return np.repeat(np.asarray(starts, dtype=np.int64) - offsets, lengths) + np.arange(total, dtype=np.int64)
+    nonempty = lengths > 0
+    starts, lengths = starts[nonempty], lengths[nonempty]
+    out = np.ones(total, dtype=np.int64)
+    out[0] = starts[0]
+    # each range's first entry steps from the previous range's last value, start - 1 + length
+    out[np.cumsum(lengths[:-1])] = starts[1:] - starts[:-1] - lengths[:-1] + 1
+    return np.cumsum(out, out=out)
 
 
 def offsets_of(lengths) -> np.ndarray:
@@ -392,7 +405,8 @@ class MicrobatchLayout:
                 return f"{name} is not a valid offset array over {total} entries"
         for name in ("trajectory_rows", "ancestor_rows"):
             values = getattr(self, name)
-            if values.size and (values.min() < 0 or values.max() >= rows):
+            # one pass over these long arrays: read as unsigned, a negative row is larger than any valid one
+            if values.size and int(values.view(np.uint64).max()) >= rows:
                 return f"{name} holds a row outside [0, {rows})"
         if self.export_chunk.shape[0] != exports:
             return "export_chunk and export_position differ in length"

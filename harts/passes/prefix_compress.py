@@ -17,15 +17,23 @@ from harts.passes.registry import builtin_pass
 
 
 def sorted_order_and_lcp(tokens: tuple[np.ndarray, ...]) -> tuple[list[int], list[int]]:
-    """Stable lexicographic order of token arrays and the LCP of each rank with the previous one."""
+    """Stable lexicographic order of token arrays and the LCP of each rank with the previous one.
+
+    Token ids are below 2**32 (:data:`harts.rollouts.fields.MAX_TOKEN_ID`), so their big-endian 4-byte
+    strings compare as the arrays do. The LCPs compare those same bytes, read in place as 4-byte words
+    (equality needs no byte order), and stop at the first mismatch.
+    """
     keys = [t.astype(">u4").tobytes() for t in tokens]
     order = sorted(range(len(tokens)), key=lambda i: (keys[i], i))
     lcp = [0] * len(order)
+    previous = np.frombuffer(keys[order[0]], dtype=np.uint32) if order else None
     for rank in range(1, len(order)):
-        a, b = tokens[order[rank - 1]], tokens[order[rank]]
-        n = min(len(a), len(b))
-        mismatch = np.flatnonzero(a[:n] != b[:n])
-        lcp[rank] = int(mismatch[0]) if mismatch.size else n
+        current = np.frombuffer(keys[order[rank]], dtype=np.uint32)
+        n = min(len(previous), len(current))
+        differs = previous[:n] != current[:n]
+        first = int(differs.argmax())
+        lcp[rank] = first if differs[first] else n
+        previous = current
     return order, lcp
 
 

@@ -194,87 +194,116 @@ def _place_group_pairs(space: RankSpace, capacity: int, lanes: list[tuple[np.nda
 
     A lane in ascending rank order always inserts above every member, so each microbatch's
     only neighbour is its largest member (and in descending order its smallest); those lanes
-    keep one rank per microbatch. Other lanes keep the full ``before``/``after`` tables, rank
-    major (``table[lane, rank, before/after, column]``) so each step reads one row per lane. The
-    tables of the ordered lanes are rebuilt from the labels at the end.
+    keep one rank per microbatch, in the rows of ``neighbours`` that persist from step to step.
+    Other lanes keep the full ``before``/``after`` tables, rank major (``table[lane, rank,
+    before/after, column]``), and copy the row of the rank they insert into ``neighbours`` each
+    step. Every step is then a fixed set of whole-array operations over all lanes (the greedy is
+    sequential in its steps, so the per-step operation count is its cost): only the tabled lanes'
+    slice updates and opening a microbatch loop over lanes. The tables of the ordered lanes are
+    rebuilt from the labels at the end.
     """
     n = space.size
     kinds = _lane_kinds(lanes, n)
     internal = sorted(range(len(lanes)), key=lambda lane: kinds[lane] == 2)  # ordered lanes first, stable
     count = len(lanes)
     ordered = sum(kind < 2 for kind in kinds)
-    tabled = count - ordered
-    kind_of = [kinds[lane] for lane in internal]
-    orders = np.stack([lanes[lane][0] for lane in internal])
-    multiplier = np.array([0 if lanes[lane][1] == "best-fit" else capacity + 1 for lane in internal], dtype=np.int64)[:, None]
-    dtype = np.int16 if n < np.iinfo(np.int16).max else np.int32
-    unopened = np.int64(1) << np.int64(40)  # an unopened column can take nothing
-
-    def edges_for(width: int) -> np.ndarray:
-        edges = np.empty((ordered, 2, width), dtype=dtype)
-        edges[:, 0], edges[:, 1] = -1, n
-        return edges
-
-    def table_for(width: int) -> np.ndarray:
-        table = np.empty((tabled, n, 2, width), dtype=dtype)
-        table[:, :, 0], table[:, :, 1] = -1, n
-        return table
-
-    edges, table = edges_for(columns), table_for(columns)
-    work = np.full((count, columns), unopened, dtype=np.int64)
-    labels = np.full((count, n), -1, dtype=np.int64)
-    used = [0] * count
-    lane_ids = np.arange(count)
-    lane_list = list(range(count))
-    lengths = space.lengths
-    flat_pairs = pairs.reshape(-1)
-    # per step: the flat offset of each lane's row in the pair table, and the inserted length
-    row_offsets = (orders * (n + 1)).T.copy()[:, :, None, None]
-    step_lengths = lengths[orders].T.copy()[:, :, None]
-    # the flat row of each tabled lane's inserted rank, per step
-    tabled_rows = (np.arange(tabled)[:, None] * n + orders[ordered:]).T.copy()
+    state = _PairLanes(space, capacity, [lanes[lane] for lane in internal], [kinds[lane] for lane in internal], ordered,
+                       columns, pairs)
     for step in range(n):
-        width = max(max(used), 1)
-        if tabled:
-            rows = table.reshape(tabled * n, 2, -1).take(tabled_rows[step], axis=0)[:, :, :width]
-            neighbours = np.concatenate([edges[:, :, :width], rows]) if ordered else rows
-        else:
-            neighbours = edges[:, :, :width]
+        state.step(step)
+    return _pair_packings(space, capacity, internal, ordered, state.columns, state.table, state.work, state.used,
+                          state.labels, state.dtype)
+
+
+class _PairLanes:
+    """The state of :func:`_place_group_pairs`' lanes (ordered lanes first) and one lockstep step of all of them."""
+
+    def __init__(self, space: RankSpace, capacity: int, lanes: list[tuple[np.ndarray, str]], kinds: list[int], ordered: int,
+                 columns: int, pairs: np.ndarray):
+        n = space.size
+        self.n, self.capacity, self.ordered = n, capacity, ordered
+        self.count = count = len(lanes)
+        self.tabled = count - ordered
+        self.lengths = space.lengths
+        orders = np.stack([order for order, _ in lanes])
+        self.orders = orders.T.copy()  # [step, lane]
+        self.multiplier = np.array([0 if policy == "best-fit" else capacity + 1 for _, policy in lanes], dtype=np.int64)[:, None]
+        self.dtype = np.int16 if n < np.iinfo(np.int16).max else np.int32
+        self.unopened = np.int64(1) << np.int64(40)  # an unopened column can take nothing
+        self.columns = 0
+        self.neighbours = np.empty((count, 2, 0), dtype=self.dtype)
+        self.table = np.empty((self.tabled, n, 2, 0), dtype=self.dtype)
+        self.work = np.empty((count, 0), dtype=np.int64)
+        self._widen(columns)
+        self.labels = np.full((count, n), -1, dtype=np.int64)
+        self.used = [0] * count
+        self.widest = 0
+        self.lane_ids = np.arange(count)
+        self.ordered_ids = np.arange(ordered)
+        self.ordered_kinds = np.array(kinds[:ordered], dtype=np.int64)
+        self.tabled_ids = np.arange(ordered, count)
+        self.flat_pairs = pairs.reshape(-1)
+        # per step: the flat offset of each lane's row in the pair table, the inserted length, and the flat row of
+        # each tabled lane's inserted rank in its table
+        self.row_offsets = (self.orders * (n + 1))[:, :, None, None]
+        self.step_lengths = self.lengths[self.orders][:, :, None]
+        self.tabled_rows = (np.arange(self.tabled)[None, :] * n + self.orders[:, ordered:]).copy()
+
+    def _widen(self, columns: int) -> None:
+        """Room for ``columns`` microbatches per lane; new columns have no members (-1 / N neighbours)."""
+        old = self.columns
+        neighbours = np.empty((self.count, 2, columns), dtype=self.dtype)
+        neighbours[:, 0], neighbours[:, 1] = -1, self.n
+        neighbours[:, :, :old] = self.neighbours
+        table = np.empty((self.tabled, self.n, 2, columns), dtype=self.dtype)
+        table[:, :, 0], table[:, :, 1] = -1, self.n
+        table[:, :, :, :old] = self.table
+        work = np.full((self.count, columns), self.unopened, dtype=np.int64)
+        work[:, :old] = self.work
+        self.neighbours, self.table, self.work, self.columns = neighbours, table, work, columns
+        self.flat_table = table.reshape(self.tabled * self.n, 2, columns)
+
+    def step(self, step: int) -> None:
+        ordered, lane_ids = self.ordered, self.lane_ids
+        width = max(self.widest, 1)
+        if self.tabled:
+            self.flat_table.take(self.tabled_rows[step], axis=0, out=self.neighbours[ordered:])
         # max(LCP(p, x), LCP(x, q)) for every lane and open column: |x| - ΔC of Eq. 10
-        shared = flat_pairs.take(neighbours + row_offsets[step]).max(axis=1)
-        work_after = work[:, :width] - shared
-        work_after += step_lengths[step]
+        shared = self.flat_pairs.take(self.neighbours[:, :, :width] + self.row_offsets[step]).max(axis=1)
+        work_after = self.work[:, :width] - shared
+        work_after += self.step_lengths[step]
         # best-fit ranks by the work after insertion; max-shared by shared tokens, then that work
-        score = shared * multiplier
+        score = shared * self.multiplier
         score += work_after
-        score[work_after > capacity] = -1
+        score[work_after > self.capacity] = -1
         choice = score.argmax(axis=1)
-        fits = (score[lane_ids, choice] >= 0).tolist()
-        for lane, rank, column, ok in zip(lane_list, orders[:, step].tolist(), choice.tolist(), fits):
-            if ok:
-                work[lane, column] = work_after[lane, column]
-            else:
-                column = used[lane]
-                used[lane] += 1
-                if column == work.shape[1]:
-                    grown = 2 * columns
-                    wider_edges, wider_table = edges_for(grown), table_for(grown)
-                    wider_edges[:, :, :columns], wider_table[:, :, :, :columns] = edges, table
-                    edges, table, columns = wider_edges, wider_table, grown
-                    work = np.concatenate([work, np.full_like(work, unopened)], axis=1)
-                work[lane, column] = lengths[rank]
-            kind = kind_of[lane]
-            if kind == 0:
-                edges[lane, 0, column] = rank
-            elif kind == 1:
-                edges[lane, 1, column] = rank
-            else:
-                row = table[lane - ordered, :, :, column]
-                low, high = int(row[rank, 0]), int(row[rank, 1])
-                row[rank + 1 : high + 1, 0] = rank
-                row[max(low, 0) : rank, 1] = rank
-            labels[lane, rank] = column
-    return _pair_packings(space, capacity, internal, ordered, columns, table, work, used, labels, dtype)
+        new_work = work_after[lane_ids, choice]
+        ranks = self.orders[step]
+        if score[lane_ids, choice].min() < 0:
+            self._open(np.flatnonzero(score[lane_ids, choice] < 0).tolist(), ranks, choice, new_work)
+        self.work[lane_ids, choice] = new_work
+        self.labels[lane_ids, ranks] = choice
+        if ordered:
+            self.neighbours[self.ordered_ids, self.ordered_kinds, choice[:ordered]] = ranks[:ordered]
+        if self.tabled:
+            tabled_choice = choice[ordered:]
+            lows = self.neighbours[self.tabled_ids, 0, tabled_choice].tolist()
+            highs = self.neighbours[self.tabled_ids, 1, tabled_choice].tolist()
+            table = self.table
+            for lane, rank, column, low, high in zip(range(self.tabled), ranks[ordered:].tolist(), tabled_choice.tolist(), lows, highs):
+                table[lane, rank + 1 : high + 1, 0, column] = rank
+                table[lane, max(low, 0) : rank, 1, column] = rank
+
+    def _open(self, lanes: list[int], ranks: np.ndarray, choice: np.ndarray, new_work: np.ndarray) -> None:
+        """Lanes whose trajectory fits no open microbatch open a new one (its neighbours: none)."""
+        for lane in lanes:
+            column = self.used[lane]
+            self.used[lane] += 1
+            if column == self.columns:
+                self._widen(2 * self.columns)
+            choice[lane] = column
+            new_work[lane] = self.lengths[ranks[lane]]
+        self.widest = max(self.used)
 
 
 def _lane_kinds(lanes: list[tuple[np.ndarray, str]], n: int) -> list[int]:

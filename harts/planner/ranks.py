@@ -64,10 +64,13 @@ class RankSpace:
             if (n + 1) * (n + 1) * np.dtype(dtype).itemsize <= PAIR_TABLE_BYTES:
                 table = np.zeros((n + 1, n + 1), dtype=dtype)
                 lcp = self.lcp.astype(dtype)
-                for i in range(n - 1):
-                    values = np.minimum.accumulate(lcp[i + 1 :])
-                    table[i, i + 1 : n] = values
-                    table[i + 1 : n, i] = values
+                # row by row, both halves written in place along the row: LCP(i, j) is the minimum of
+                # lcp[i+1..j] to the right and of lcp[j+1..i] to the left (a column write per row, as
+                # the symmetric copy would be, touches a cache line per entry)
+                for i in range(n):
+                    np.minimum.accumulate(lcp[i + 1 : n], out=table[i, i + 1 : n])
+                    if i:
+                        np.minimum.accumulate(lcp[i:0:-1], out=table[i, i - 1 :: -1])
                 table[np.arange(n), np.arange(n)] = self.lengths
                 self._pair_table = table
             self._pair_table_built = True

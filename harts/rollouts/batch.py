@@ -58,6 +58,13 @@ from harts.rollouts.fields import (
 _INT64 = np.iinfo(np.int64)
 
 
+def _hashable(values: np.ndarray, dtype: str | None = None) -> memoryview:
+    """The bytes of ``values`` (as ``dtype`` when given) for a digest: the array's own buffer when it is
+    contiguous and of that dtype, a converted copy otherwise (the bytes are those of ``tobytes()``)."""
+    array = np.ascontiguousarray(values, dtype=dtype)
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
 @attrs.frozen(eq=False, slots=False)
 class RolloutBatch:
     """The trajectories of one step, in the user's order, with their metadata.
@@ -311,9 +318,10 @@ class RolloutBatch:
         ``input_only``), independent of dict order."""
         digest = hashlib.sha256()
         digest.update(b"harts-batch-input-v1" if input_only else b"harts-batch-v1")
+        # the bytes are hashed in place (a buffer, no copy): a batch's tokens are often hundreds of megabytes
         for tokens in self.tokens:
             digest.update(len(tokens).to_bytes(8, "little"))
-            digest.update(tokens.astype("<i8").tobytes())
+            digest.update(_hashable(tokens, "<i8"))
         if self.tree_ids is not None:
             digest.update(np.asarray(self.tree_ids, dtype="<i8").tobytes())
         for name in sorted(self.token_fields):
@@ -322,7 +330,7 @@ class RolloutBatch:
             digest.update(f"token:{name}".encode())
             for values in self.token_fields[name]:
                 digest.update(str(values.dtype).encode())
-                digest.update(np.ascontiguousarray(values).tobytes())
+                digest.update(_hashable(values))
         for name in sorted(() if input_only else self.trajectory_fields):
             values = self.trajectory_fields[name]
             digest.update(f"trajectory:{name}:{values.dtype}".encode())

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 import harts
 from harts.codegen.layout import build_layout, lay_out
-from harts.errors import IRParseError, IRVerificationError, PipelineError
-from harts.ir.layout import ARRAY_FIELDS, LaidOutModule
+from harts.errors import IRParseError, IRVerificationError, PipelineError, PlanArtifactError
+from harts.ir.layout import ARRAY_FIELDS, LaidOutModule, MicrobatchLayout
 from harts.ir.nodes import Module, Phase
 from harts.ir.text import parse_ir, print_ir
 from harts.ir.verify import verify
@@ -130,3 +130,22 @@ def test_dump_ir_shows_every_stage_lowering_and_codegen_included_and_each_parses
     codegen_text = files[-1].read_text()
     assert "// ===== programs of microbatch 0 (replica 0, slot 0) =====" in codegen_text
     assert "// def forward(self, q, k, v, log_decay, beta, scale)" in codegen_text
+
+
+@pytest.mark.parametrize("name", ["trajectory_rows", "ancestor_rows"])
+@pytest.mark.parametrize("where", [0, -1])
+def test_a_row_outside_the_layout_is_named_by_the_verifier_and_by_loading(name, where):
+    """The row range check reads the rows as unsigned (one pass): a negative row and one past the last row are
+    both out of range, wherever they are."""
+    plan = harts.compile(harts.RolloutBatch.from_trajectories([[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 2, 7]]), chunk_size=2)
+    stage = plan.stage
+    layout = stage.layouts[0]
+    for bad in (-1, layout.num_rows, -(1 << 62)):
+        values = getattr(layout, name).copy()
+        values[where] = bad
+        broken = attrs.evolve(layout, **{name: values})
+        assert broken.structure_problem() == f"{name} holds a row outside [0, {layout.num_rows})"
+        with pytest.raises(IRVerificationError, match=re.escape(f"{name} holds a row outside")):
+            verify(LaidOutModule(module=stage.module, layouts=(broken,)))
+        with pytest.raises(PlanArtifactError, match=re.escape(f"{name} holds a row outside")):
+            MicrobatchLayout.from_tensors(broken.to_tensors())

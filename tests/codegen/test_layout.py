@@ -347,3 +347,41 @@ def test_render_programs_is_readable_text():
     for expected in ("def forward(self, q, k, v, log_decay, beta, scale)", "exported_round0", "initial_state",
                      "k_view", "context", "compact_log_probs", "microbatch 0"):
         assert expected in text
+
+
+# ------------------------------------------------------------------ derived arrays, built from the trie runs
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(-50, 50), st.integers(0, 6)), max_size=12))
+def test_concatenated_ranges_is_the_concatenation_of_aranges(ranges):
+    from harts.ir.layout import concatenated_ranges
+
+    starts, lengths = [s for s, _ in ranges], [n for _, n in ranges]
+    expected = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in ranges] or [np.zeros(0, dtype=np.int64)])
+    got = concatenated_ranges(np.array(starts, dtype=np.int64), np.array(lengths, dtype=np.int64))
+    assert got.dtype == np.int64 and got.tolist() == expected.tolist()
+
+
+def test_concatenated_ranges_refuses_a_negative_length():
+    from harts.ir.layout import concatenated_ranges
+
+    with pytest.raises(ValueError):
+        concatenated_ranges(np.array([0, 3]), np.array([2, -1]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(batches_with_groups(max_trajectories=10))
+def test_multiplicities_and_ancestor_rows_equal_their_definitions_over_the_map(case):
+    """The builder derives q and the ancestor rows from the trie runs; by definition they are the map m's row
+    counts and each sequence's trajectory rows before its start (the gathers it replaced)."""
+    from harts.ir.layout import concatenated_ranges
+
+    batch, chunk_size, groups = case
+    module = rounded_module(batch, chunk_size, groups)
+    for microbatch in module.microbatches:
+        layout = build_layout(module, microbatch.index)
+        assert layout.row_multiplicity.tolist() == np.bincount(layout.trajectory_rows, minlength=layout.num_rows).tolist()
+        member_start = layout.trajectory_offsets[np.searchsorted(layout.trajectories, layout.seq_trajectory)]
+        gathered = layout.trajectory_rows[concatenated_ranges(member_start, layout.seq_start)]
+        assert layout.ancestor_rows.tolist() == gathered.tolist()

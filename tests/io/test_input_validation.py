@@ -377,3 +377,31 @@ def test_generated_presets_refuse_options_that_cannot_or_should_not_be_built(spe
     with pytest.raises(RolloutInputError) as error:
         resolve_input(spec)
     assert GENERATOR_OPTIONS[spec] in str(error.value)
+
+
+def test_batch_hashes_are_sha256_over_the_bytes_of_each_array():
+    """The hashes read arrays in place; they stay the digest of the arrays' bytes (``tobytes``), so plans
+    compiled before keep binding."""
+    import hashlib
+
+    tokens = [[5, 1, 2], [5, 1, 9, 9]]
+    routed = [np.arange(6).reshape(3, 1, 2), np.arange(8).reshape(4, 1, 2)]
+    batch = RolloutBatch.from_trajectories(tokens, routed_experts=routed, reward=[0.5, 1.0])
+    for input_only, value in ((True, batch.input_hash()), (False, batch.content_hash())):
+        digest = hashlib.sha256(b"harts-batch-input-v1" if input_only else b"harts-batch-v1")
+        for t in batch.tokens:
+            digest.update(len(t).to_bytes(8, "little"))
+            digest.update(np.asarray(t).astype("<i8").tobytes())
+        digest.update(np.asarray(batch.tree_ids, dtype="<i8").tobytes())
+        for name in sorted(batch.token_fields):
+            if input_only and not name.startswith("routed_experts."):
+                continue
+            digest.update(f"token:{name}".encode())
+            for values in batch.token_fields[name]:
+                digest.update(str(values.dtype).encode())
+                digest.update(np.ascontiguousarray(values).tobytes())
+        for name in sorted(() if input_only else batch.trajectory_fields):
+            values = batch.trajectory_fields[name]
+            digest.update(f"trajectory:{name}:{values.dtype}".encode())
+            digest.update(np.ascontiguousarray(values).tobytes())
+        assert value == "sha256:" + digest.hexdigest()
