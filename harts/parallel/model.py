@@ -260,7 +260,8 @@ class TensorParallelHybridModel(nn.Module):
         return {_native_name(name): tensor for name, tensor in self.state_dict(keep_vars=True).items()
                 if not name.endswith("_extra_state")}
 
-    def _native_parameters(self) -> list[tuple[str, nn.Parameter]]:
+    def native_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(name, parameter) under HybridModel's names (megatron's ``router`` is ``gate``), the names ``split_dims`` uses."""
         return [(_native_name(name), parameter) for name, parameter in self.named_parameters()]
 
     def _expert_group_size(self) -> int:
@@ -313,7 +314,7 @@ class TensorParallelHybridModel(nn.Module):
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
         """Every parameter's gradient in the native layout (call after :meth:`finalize_gradients`)."""
         return {name: None if parameter.grad is None else self._gathered(name, parameter.grad)
-                for name, parameter in self._native_parameters()}
+                for name, parameter in self.native_named_parameters()}
 
     def to_hybrid_model(self) -> HybridModel:
         """A single-process :class:`HybridModel` with the gathered weights (on every rank)."""
@@ -332,7 +333,7 @@ class TensorParallelHybridModel(nn.Module):
         divided by the data-parallel size, the mean torch DDP takes of the other parameters (the
         trainer scales each rank's loss by that size).
         """
-        for name, parameter in self._native_parameters():
+        for name, parameter in self.native_named_parameters():
             if name in self.expert_names:
                 if parameter.grad is None:  # no row reached these experts here; the group's sum needs every rank
                     parameter.grad = torch.zeros_like(parameter)
@@ -345,7 +346,7 @@ class TensorParallelHybridModel(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """The whole model's gradient 2-norm (shards summed over their group, replicas once), clipped to ``max_norm``."""
-        grads = [(name, p.grad) for name, p in self._native_parameters() if p.grad is not None]
+        grads = [(name, p.grad) for name, p in self.native_named_parameters() if p.grad is not None]
         dtype = torch.float64 if any(g.dtype == torch.float64 for _, g in grads) else torch.float32
         sharded, replicated, experts = (torch.zeros((), dtype=dtype, device=self.device) for _ in range(3))
         for name, grad in grads:

@@ -116,14 +116,14 @@ def mark_tensor_parallel_replicas(module: TensorParallelHybridModel) -> list[str
     replicated on the TP ranks, apart from megatron's expert parameters (``allreduce = False``).
     Returns the marked names.
     """
-    unknown = [name for name, _ in module.named_parameters() if name not in module.split_dims]
+    unknown = [name for name, _ in module.native_named_parameters() if name not in module.split_dims]
     if unknown:
         raise TrainingError(
             f"parameter(s) {unknown[:3]} have no known tensor-parallel split: load the weights with "
             "TensorParallelHybridModel.from_model or load_full_state_dict before wrapping the model"
         )
     marked = []
-    for name, parameter in module.named_parameters():
+    for name, parameter in module.native_named_parameters():
         if module.split_dims[name] is None and getattr(parameter, "allreduce", True):
             parameter.sequence_parallel = True
             marked.append(name)

@@ -68,13 +68,18 @@ def replicas(layout) -> dict:
         gathered = theirs.full_gradients()
         report[variant] = {
             "marked": sorted(marked),
+            # what finalize_gradients sums over TP: replicated, not an expert (those go over expert-DP)
             "replicated": sorted(name for name, dim in ours.split_dims.items() if dim is None
-                                 and name in dict(ours.named_parameters())),
+                                 and name in dict(ours.native_named_parameters()) and name not in ours.expert_names),
             "sequence_parallel": config.sequence_parallel,
             "tensor_model_parallel_size": config.tensor_model_parallel_size,
+            # experts (allreduce=False) are reduced by megatron's DDP buffers over the expert-data-parallel
+            # group, which need CUDA (test_megatron_ddp_gpu.py); finalize_model_grads' TP sum covers the rest
             "megatron_vs_harts": max(float((p.grad - q.grad).abs().max())
-                                     for p, q in zip(theirs.parameters(), ours.parameters())),
-            "megatron_vs_single_process": max(largest(gathered[name], p.grad) for name, p in native.named_parameters()),
+                                     for (name, p), q in zip(theirs.native_named_parameters(), ours.parameters())
+                                     if name not in theirs.expert_names),
+            "megatron_vs_single_process": max(largest(gathered[name], p.grad) for name, p in native.named_parameters()
+                                              if name not in theirs.expert_names),
         }
     return report
 
