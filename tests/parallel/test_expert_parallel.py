@@ -21,7 +21,12 @@ import torch
 import harts
 from harts.runtime import log_probs
 from tests.helpers import REPO, forked_batch
-from tests.parallel.test_tensor_parallel import torchrun
+from tests.parallel.test_tensor_parallel import (
+    TINY_MODEL,
+    assert_transformers_checkpoint_has_log_probs,
+    torchrun,
+    train_alone_and_under_torchrun,
+)
 
 pytest.importorskip("megatron.core")
 
@@ -119,42 +124,18 @@ def test_an_expert_parallel_checkpoint_loads_into_one_process(run):
 def test_an_expert_parallel_model_saves_a_transformers_checkpoint(layout_run):
     """Kimi Linear (8 experts over EP, group-limited routing, shared expert): harts.parallel.save_pretrained
     gathers the experts; the directory loads in one process with the split model's log-probs."""
-    from harts.models import from_hf
-
     report, folder = layout_run
-    model = from_hf(str(folder / "kimi-hf"), dtype="float64")
-    batch = forked_batch(chunk=4)
-    plan = harts.compile(batch, capacity=60, dp_size=1, chunk_size=4)
-    want = torch.tensor(report["hf_checkpoint_log_probs"], dtype=torch.float64)
-    assert float((log_probs(model, plan, batch).packed.detach() - want).abs().max()) < TOLERANCE
+    assert_transformers_checkpoint_has_log_probs(folder / "kimi-hf", report["hf_checkpoint_log_probs"])
 
 
 def test_harts_train_under_torchrun_with_ep_trains_as_one_process(tmp_path):
     """`torchrun -m harts train --ep 2` (a MoE model, AdamW, 2 steps) equals a single-process run."""
-    import yaml
-    from safetensors.torch import load_file
-    from typer.testing import CliRunner
-
-    from harts.cli import app
-
-    table, config = tmp_path / "rollouts.jsonl", tmp_path / "run.yaml"
-    forked_batch().write(table)
-    model = dict(ffn="moe", hidden_size=32, num_layers=2, layer_types=["linear", "full"], num_experts=4,
-                 num_experts_per_tok=2, moe_intermediate_size=16, linear_num_key_heads=2, linear_num_value_heads=2,
-                 linear_key_head_dim=8, linear_value_head_dim=8, num_attention_heads=2, head_dim=8, kv_lora_rank=16,
-                 qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
-    config.write_text(yaml.safe_dump(dict(steps=2, dtype="float64", chunk_size=4, capacity=60, lr=3e-3, seed=1,
-                                          aux_loss_coef=1e-2, model=model)))
-    single = CliRunner().invoke(app, ["train", str(table), "--config", str(config), "--metrics", str(tmp_path / "one.jsonl"),
-                                      "--save", str(tmp_path / "one.safetensors")])
-    assert single.exit_code == 0, single.output
-    torchrun(2, "-m", "harts", "train", str(table), "--config", str(config), "--ep", "2", "--moe-dispatcher", "alltoall",
-             "--metrics", str(tmp_path / "ep.jsonl"), "--save", str(tmp_path / "ep.safetensors"))
-    records = [[json.loads(line) for line in (tmp_path / name).read_text().splitlines()] for name in ("one.jsonl", "ep.jsonl")]
+    model = dict(TINY_MODEL, ffn="moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    records, weights = train_alone_and_under_torchrun(tmp_path, model, ["--ep", "2", "--moe-dispatcher", "alltoall"],
+                                                      aux_loss_coef=1e-2)
     assert len(records[0]) == len(records[1]) == 2 * 2  # steps x epochs
     for want, got in zip(*records):
         for key in ("loss", "load_balancing_loss", "z_loss"):
             assert abs(got[key] - want[key]) < TOLERANCE, key
-    weights = [load_file(tmp_path / name) for name in ("one.safetensors", "ep.safetensors")]
     assert weights[0].keys() == weights[1].keys()
     assert max(float((weights[0][k] - weights[1][k]).abs().max()) for k in weights[0]) < TOLERANCE

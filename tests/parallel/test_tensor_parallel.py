@@ -35,6 +35,47 @@ def torchrun(processes: int, *arguments: str, timeout: float = 600) -> None:
     assert completed.returncode == 0, f"torchrun failed:\n{completed.stdout[-3000:]}\n{completed.stderr[-6000:]}"
 
 
+#: The tiny KDA + MLA model of the `harts train` runs below (each test adds its FFN).
+TINY_MODEL = dict(hidden_size=32, num_layers=2, layer_types=["linear", "full"], linear_num_key_heads=2,
+                  linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, num_attention_heads=2,
+                  head_dim=8, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+
+
+def train_alone_and_under_torchrun(tmp_path, model: dict, parallel_flags: list[str], **run) -> tuple[list, list]:
+    """`harts train` of a forked rollout table, 2 steps from one YAML config (``run`` added to it), in one
+    process and under `torchrun` (2 processes) with ``parallel_flags``: (the two runs' metrics records,
+    their saved weights)."""
+    import yaml
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from harts.cli import app
+
+    table, config = tmp_path / "rollouts.jsonl", tmp_path / "run.yaml"
+    forked_batch().write(table)
+    config.write_text(yaml.safe_dump(dict(steps=2, dtype="float64", chunk_size=4, capacity=60, lr=3e-3, seed=1, **run,
+                                          model=model)))
+    single = CliRunner().invoke(app, ["train", str(table), "--config", str(config), "--metrics", str(tmp_path / "one.jsonl"),
+                                      "--save", str(tmp_path / "one.safetensors")])
+    assert single.exit_code == 0, single.output
+    torchrun(2, "-m", "harts", "train", str(table), "--config", str(config), *parallel_flags,
+             "--metrics", str(tmp_path / "many.jsonl"), "--save", str(tmp_path / "many.safetensors"))
+    records = [[json.loads(line) for line in (tmp_path / name).read_text().splitlines()] for name in ("one.jsonl", "many.jsonl")]
+    weights = [load_file(tmp_path / name) for name in ("one.safetensors", "many.safetensors")]
+    return records, weights
+
+
+def assert_transformers_checkpoint_has_log_probs(directory, want) -> None:
+    """The transformers directory ``directory`` loads in one process with the log-probs ``want`` on the forked batch."""
+    from harts.models import from_hf
+
+    model = from_hf(str(directory), dtype="float64")
+    batch = forked_batch(chunk=4)
+    plan = harts.compile(batch, capacity=60, dp_size=1, chunk_size=4)
+    want = torch.tensor(want, dtype=torch.float64)
+    assert float((log_probs(model, plan, batch).packed.detach() - want).abs().max()) < TOLERANCE
+
+
 @pytest.fixture(scope="module", params=[(1, 1), (2, 2), (2, 4)], ids=["tp1", "tp2", "tp2xdp2"])
 def run(request, tmp_path_factory):
     tensor_parallel, processes = request.param
@@ -112,40 +153,16 @@ def test_a_tensor_parallel_model_saves_a_transformers_checkpoint(run):
     """harts.parallel.save_pretrained gathers the shards (Kimi Linear: MLA, MoE, shared expert); loading the
     directory back in one process gives the sharded model's log-probs."""
     report, checkpoint = run
-    from harts.models import from_hf
-
     directory = checkpoint.parent / "kimi-hf"
     assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model.safetensors"]
-    model = from_hf(str(directory), dtype="float64")
-    batch = forked_batch(chunk=4)
-    plan = harts.compile(batch, capacity=60, dp_size=1, chunk_size=4)
-    want = torch.tensor(report["hf_checkpoint_log_probs"], dtype=torch.float64)
-    assert float((log_probs(model, plan, batch).packed.detach() - want).abs().max()) < TOLERANCE
+    assert_transformers_checkpoint_has_log_probs(directory, report["hf_checkpoint_log_probs"])
 
 
 def test_harts_train_under_torchrun_with_tp_trains_as_one_process(tmp_path):
     """`torchrun -m harts train --tp 2` (AdamW, KL to the initial weights, 2 epochs) equals a single-process run."""
-    import yaml
-    from safetensors.torch import load_file
-    from typer.testing import CliRunner
-
-    from harts.cli import app
-
-    table, config = tmp_path / "rollouts.jsonl", tmp_path / "run.yaml"
-    forked_batch().write(table)
-    model = dict(ffn="dense", hidden_size=32, num_layers=2, layer_types=["linear", "full"], intermediate_size=48,
-                 linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
-                 num_attention_heads=2, head_dim=8, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
-    config.write_text(yaml.safe_dump(dict(steps=2, dtype="float64", chunk_size=4, capacity=60, lr=3e-3, seed=1, model=model)))
-    single = CliRunner().invoke(app, ["train", str(table), "--config", str(config), "--metrics", str(tmp_path / "one.jsonl"),
-                                      "--save", str(tmp_path / "one.safetensors")])
-    assert single.exit_code == 0, single.output
-    torchrun(2, "-m", "harts", "train", str(table), "--config", str(config), "--tp", "2",
-             "--metrics", str(tmp_path / "tp.jsonl"), "--save", str(tmp_path / "tp.safetensors"))
-    records = [[json.loads(line) for line in (tmp_path / name).read_text().splitlines()] for name in ("one.jsonl", "tp.jsonl")]
+    records, weights = train_alone_and_under_torchrun(tmp_path, dict(TINY_MODEL, ffn="dense", intermediate_size=48), ["--tp", "2"])
     assert len(records[0]) == len(records[1]) == 4
     for want, got in zip(*records):
         assert abs(got["loss"] - want["loss"]) < TOLERANCE and abs(got["kl"] - want["kl"]) < TOLERANCE
-    weights = [load_file(tmp_path / name) for name in ("one.safetensors", "tp.safetensors")]
     assert weights[0].keys() == weights[1].keys()
     assert max(float((weights[0][k] - weights[1][k]).abs().max()) for k in weights[0]) < TOLERANCE
