@@ -41,7 +41,7 @@ from harts.parallel.layers import to_megatron_projections
 from harts.parallel.mappings import gather_rows, reduce_scatter_rows
 from harts.runtime.config import HybridConfig
 from harts.runtime.layers import MLP
-from harts.runtime.moe import TopKRouter, router_statistics
+from harts.runtime.moe import TopKRouter, configure_routing, router_statistics
 
 __all__ = ["DISPATCHERS", "HartsMoELayer", "HartsRouter", "LocalExperts", "moe_transformer_config"]
 
@@ -86,16 +86,7 @@ class HartsRouter(Router):
     def __init__(self, config: TransformerConfig, pg_collection=None, is_mtp_layer: bool = False, *,
                  hybrid: HybridConfig):
         super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
-        self.kind = hybrid.moe_router
-        self.top_k = hybrid.num_experts_per_tok
-        self.norm_topk_prob = hybrid.norm_topk_prob
-        self.routed_scaling_factor = hybrid.routed_scaling_factor
-        self.n_group = hybrid.n_group
-        self.topk_group = hybrid.topk_group
-        if hybrid.moe_expert_bias:
-            self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts))
-        else:
-            self.e_score_correction_bias = None
+        configure_routing(self, hybrid)
         self.row_weight: torch.Tensor | None = None
         self.replay: torch.Tensor | None = None
         self.statistics: tuple[torch.Tensor, ...] | None = None

@@ -164,23 +164,30 @@ def apply_expert_bias_update(model: nn.Module, stats: MoEStats, *, rate: float) 
     return update
 
 
+def configure_routing(router: nn.Module, config: HybridConfig) -> None:
+    """Set on ``router`` what :meth:`TopKRouter.forward` and its helpers read: the routing options and the
+    ``e_score_correction_bias`` [E] buffer (None without expert bias). harts.parallel's megatron router
+    borrows those methods, so both routers are configured here."""
+    router.kind = config.moe_router
+    router.top_k = config.num_experts_per_tok
+    router.num_experts = config.num_experts
+    router.norm_topk_prob = config.norm_topk_prob
+    router.routed_scaling_factor = config.routed_scaling_factor
+    router.n_group = config.n_group
+    router.topk_group = config.topk_group
+    if config.moe_expert_bias:
+        router.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts))
+    else:
+        router.e_score_correction_bias = None
+
+
 class TopKRouter(nn.Module):
     """Router ``gate``: ``weight`` [E, D]; ``e_score_correction_bias`` [E] buffer when expert bias is on."""
 
     def __init__(self, config: HybridConfig):
         super().__init__()
-        self.kind = config.moe_router
-        self.top_k = config.num_experts_per_tok
-        self.num_experts = config.num_experts
-        self.norm_topk_prob = config.norm_topk_prob
-        self.routed_scaling_factor = config.routed_scaling_factor
-        self.n_group = config.n_group
-        self.topk_group = config.topk_group
+        configure_routing(self, config)
         self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
-        if config.moe_expert_bias:
-            self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts))
-        else:
-            self.e_score_correction_bias = None
 
     def forward(
         self, x: torch.Tensor, routed: torch.Tensor | None = None
