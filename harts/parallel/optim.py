@@ -30,7 +30,7 @@ CUDA only. Measured on megatron-core 0.19.2's source: ``_ParamAndGradBuffer`` al
 ``start_grad_sync`` reads ``torch.cuda.current_stream()`` on every reduction, the gradient-norm and
 clipping code (``optimizer/clip_grads.py``) allocate ``device='cuda'`` tensors and assert
 ``torch.cuda.FloatTensor`` gradients, and the optimizers sort parameters by ``param.type()`` among
-``torch.cuda.*Tensor`` names (a CPU tensor is refused). On the CPU :func:`check_megatron_device`
+``torch.cuda.*Tensor`` names (a CPU tensor is refused). On the CPU :func:`~harts.train.distributed.refuse_megatron_off_cuda`
 refuses it with a :class:`~harts.train.TrainingError`; the CPU path is torch DDP (``--dp-engine torch``).
 Over gloo megatron's reductions run inside ``torch.distributed._coalescing_manager``, whose
 coalesced all-reduce gloo implements for CPU tensors only: several ranks need NCCL, one GPU each.
@@ -52,7 +52,6 @@ from harts.train.distributed import refuse_megatron_off_cuda
 __all__ = [
     "MegatronDataParallelOptions",
     "MegatronStepper",
-    "check_megatron_device",
     "ddp_config",
     "mark_tensor_parallel_replicas",
     "megatron_optimizer",
@@ -77,11 +76,6 @@ class MegatronDataParallelOptions:
     distributed_optimizer: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     overlap_grad_reduce: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     bucket_size: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.instance_of(int)))
-
-
-def check_megatron_device(device: torch.device, *, source: str = "option --dp-engine megatron") -> None:
-    """Refuse megatron's data parallelism off CUDA (the module docstring lists the calls that need it)."""
-    refuse_megatron_off_cuda(device, source)
 
 
 def transformer_config(module: TensorParallelHybridModel) -> TransformerConfig:
@@ -134,7 +128,7 @@ def wrap_megatron(module: TensorParallelHybridModel, options: MegatronDataParall
     """``module`` in megatron's ``DistributedDataParallel`` over megatron's data-parallel group (CUDA)."""
     if not isinstance(module, TensorParallelHybridModel):
         raise TrainingError(f"megatron DDP wraps a harts.parallel.TensorParallelHybridModel, got {type(module).__name__}")
-    check_megatron_device(module.device, source="harts.parallel.optim.wrap_megatron")
+    refuse_megatron_off_cuda(module.device, "harts.parallel.optim.wrap_megatron")
     mark_tensor_parallel_replicas(module)
     return DistributedDataParallel(transformer_config(module), ddp_config(options), module)
 

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from harts.cli import USER_ERROR_EXIT, app
 from harts.train import TrainConfig, Trainer, TrainingError
-from harts.train.distributed import DP_ENGINES, dp_engine, wrapper_kind
+from harts.train.distributed import DP_ENGINES, dp_engine, refuse_megatron_off_cuda, wrapper_kind
 from harts.train.loop import RunOptions, load_options
 from tests.helpers import REPO, forked_batch
 from tests.parallel.test_tensor_parallel import torchrun
@@ -29,7 +29,6 @@ from megatron.core.distributed import DistributedDataParallel  # noqa: E402
 
 from harts.parallel.optim import (  # noqa: E402
     MegatronDataParallelOptions,
-    check_megatron_device,
     ddp_config,
     optimizer_config,
 )
@@ -64,7 +63,7 @@ def test_megatron_on_the_cpu_is_refused_naming_the_option_and_the_way_out():
     for fragment in ("option --dp-engine megatron", "CUDA only", "torch.cuda.current_device()", "on cpu", "--dp-engine torch"):
         assert fragment in message, message
     with pytest.raises(TrainingError, match="harts.parallel.optim.wrap_megatron: megatron-core's"):
-        check_megatron_device(torch.device("cpu"), source="harts.parallel.optim.wrap_megatron")
+        refuse_megatron_off_cuda(torch.device("cpu"), "harts.parallel.optim.wrap_megatron")
 
 
 def test_the_option_is_read_from_flags_and_yaml_and_checked(tmp_path):
