@@ -154,6 +154,31 @@ def idle_gaps(intervals, edges_us=(10.0, 100.0, 1000.0)) -> dict:
     return {"busy_us": busy, "idle_us": idle, "by_gap": buckets}
 
 
+def gaps_before_kernels(kernels, min_gap_us: float = 10.0, top: int = 15) -> list[dict]:
+    """Which launches the device waited for: ``kernels`` are (start, end, name) in microseconds.
+
+    Every idle gap of at least ``min_gap_us`` is charged to the pair (kernel before it, kernel
+    after it); the pairs with the most idle time come first. A gap before the same kernel on
+    every layer points at the host work (or sync) that precedes that launch."""
+    spans = sorted((float(a), float(b), name) for a, b, name in kernels if b > a)
+    charged: dict[tuple[str, str], list[float]] = {}
+    end, before = None, None
+    for a, b, name in spans:
+        if end is not None and a - end >= min_gap_us:
+            charged.setdefault((before, name), []).append(a - end)
+        if end is None or b >= end:
+            end, before = b, name
+    rows = [{"before": pair[0], "after": pair[1], "idle_us": sum(gaps), "gaps": len(gaps), "largest_us": max(gaps)}
+            for pair, gaps in charged.items()]
+    return sorted(rows, key=lambda row: -row["idle_us"])[:top]
+
+
+def kernel_events(profiler) -> list[tuple[float, float, str]]:
+    """(start, end, name) microseconds of every device kernel and memory operation of a profiled region."""
+    return [(event.time_range.start, event.time_range.end, event.name) for event in profiler.events()
+            if event.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def kernel_intervals(profiler) -> list[tuple[float, float]]:
     """(start, end) microseconds of every device kernel and memory operation of a profiled region."""
     return [(event.time_range.start, event.time_range.end) for event in profiler.events()

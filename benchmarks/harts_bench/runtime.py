@@ -104,7 +104,9 @@ from harts_bench.profiling import (
     causal_attention_pairs,
     excess_over_compression,
     format_excess,
+    gaps_before_kernels,
     idle_gaps,
+    kernel_events,
     kernel_intervals,
     plan_attention_pairs,
     refined_limit,
@@ -986,13 +988,17 @@ def _profile(run: _Run) -> None:
         kernels_table = seconds_by_kernel(profiler, device.type)
         busy = sum(row["seconds"] for row in kernels_table)
         gaps = idle_gaps(kernel_intervals(profiler)) if device.type == "cuda" else None
+        waits = gaps_before_kernels(kernel_events(profiler)) if device.type == "cuda" else None
         results["profile_kernels"][name] = {"wall_seconds": wall, "busy_seconds": busy, "kernels": kernels_table,
-                                            "device_gaps": gaps}
+                                            "device_gaps": gaps, "gaps_before_kernels": waits}
         say(f"{name}: {wall:.3f} s wall under the profiler, {busy:.3f} s of kernels ({wall - busy:+.3f} s idle or overlapped)")
         if gaps is not None:
             say(f"{name}: device idle {gaps['idle_us'] * 1e-6:.3f} s between its first and last kernel: "
                 + ", ".join(f"{label} {row['idle_us'] * 1e-6:.3f} s in {row['gaps']} gaps"
                             for label, row in gaps["by_gap"].items()))
+            say(f"{name}: the launches the device waited longest for (idle gaps >= 10 us, by the kernels around them):\n"
+                + "\n".join(f"  {row['idle_us'] * 1e-3:8.2f} ms in {row['gaps']:>5} gaps (largest {row['largest_us'] * 1e-3:.2f} ms)"
+                             f"  {row['before'][:60]}  ->  {row['after'][:60]}" for row in waits))
         del profiler
         write_results(args.out, results)
     if "baseline" in by_family:

@@ -12,6 +12,7 @@ from harts_bench.profiling import (
     causal_attention_pairs,
     excess_over_compression,
     family_of,
+    gaps_before_kernels,
     idle_gaps,
     plan_attention_pairs,
     seconds_by_family,
@@ -124,6 +125,22 @@ def test_idle_gaps_merge_overlapping_kernels_and_bucket_the_gaps():
     assert by_gap["10-100 us"] == {"idle_us": 50.0, "gaps": 1}
     assert by_gap["100-1000 us"] == {"idle_us": 0.0, "gaps": 0}
     assert by_gap[">= 1000 us"] == {"idle_us": 2000.0, "gaps": 1}
+
+
+def test_gaps_are_charged_to_the_kernels_around_them():
+    # "scan" overlaps "gemm" on another stream; 40 us of idle before "norm" twice, 5 us before "add"
+    kernels = [(0, 10, "gemm"), (5, 30, "scan"), (70, 80, "norm"), (85, 90, "add"), (90, 100, "scan"), (140, 150, "norm")]
+    rows = gaps_before_kernels(kernels, min_gap_us=10.0)
+    assert rows == [{"before": "scan", "after": "norm", "idle_us": 80.0, "gaps": 2, "largest_us": 40.0}]
+    assert sum(row["idle_us"] for row in gaps_before_kernels(kernels, min_gap_us=0.0)) == pytest.approx(85.0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 10_000), st.integers(1, 500)), max_size=40))
+def test_charged_gaps_add_up_to_the_idle_time(starts_and_lengths):
+    intervals = [(start, start + length) for start, length in starts_and_lengths]
+    rows = gaps_before_kernels([(a, b, f"k{i % 3}") for i, (a, b) in enumerate(intervals)], min_gap_us=0.0, top=100)
+    assert sum(row["idle_us"] for row in rows) == pytest.approx(idle_gaps(intervals)["idle_us"])
 
 
 @settings(max_examples=50, deadline=None)

@@ -15,7 +15,9 @@ One GPU per rank, NCCL: megatron-core's reductions run inside ``torch.distribute
 and gloo's coalesced all-reduce takes CPU tensors only ("ProcessGroupGloo::allreduce_coalesced:
 unsupported device type"), so the gloo-on-one-GPU layout of test_tensor_parallel_gpu.py cannot carry
 them; NCCL refuses two ranks on one GPU. With fewer GPUs than ranks a case is skipped
-(``HARTS_MDP_BACKEND=gloo`` tries gloo with every rank on cuda:0 instead).
+(``HARTS_MDP_BACKEND=gloo`` tries gloo with every rank on cuda:0 instead). The one-rank case (NCCL, one
+GPU) runs megatron's gradient buffers, ``finalize_model_grads``, the distributed optimizer and the
+checkpoint path on any GPU machine; its reductions are over groups of one.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 TOLERANCE = 1e-5
 
 
-@pytest.fixture(scope="module", params=[(1, 2), (2, 2), (2, 4)], ids=["dp2", "tp2", "tp2xdp2"])
+@pytest.fixture(scope="module", params=[(1, 1), (1, 2), (2, 2), (2, 4)], ids=["one-rank", "dp2", "tp2", "tp2xdp2"])
 def report(request, tmp_path_factory):
     tensor_parallel, processes = request.param
     if torch.cuda.device_count() < processes and os.environ.get("HARTS_MDP_BACKEND") != "gloo":
