@@ -215,3 +215,18 @@ def test_models_with_a_custom_head_use_compact_logits():
     torch.testing.assert_close(out.packed_entropy, ref.packed_entropy, rtol=0, atol=1e-10)
     plain = log_probs(base, plan, batch)
     assert not torch.allclose(plain.packed, out.packed)
+
+
+@settings(max_examples=100, deadline=None)
+@given(num_rows=st.integers(0, 10**6), vocab=st.integers(1, 10**6))
+def test_default_row_blocks_fit_the_block_budget_in_whole_tiles(num_rows, vocab):
+    from harts.numerics import DEFAULT_BLOCK_ELEMENTS, ROW_BLOCK_MULTIPLE, default_row_chunk
+
+    rows = default_row_chunk(num_rows, vocab)
+    assert 1 <= rows <= max(num_rows, 1)
+    assert rows == 1 or rows * vocab <= DEFAULT_BLOCK_ELEMENTS
+    if rows < num_rows and rows > ROW_BLOCK_MULTIPLE:
+        assert rows % ROW_BLOCK_MULTIPLE == 0
+    if rows < num_rows and rows > 1:  # no larger block of whole tiles (single rows below a tile) fits
+        step = ROW_BLOCK_MULTIPLE if rows >= ROW_BLOCK_MULTIPLE else 1
+        assert (rows + step) * vocab > DEFAULT_BLOCK_ELEMENTS
