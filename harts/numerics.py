@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import torch
 
+from harts.kernels.head import naive as softmax_reference
+from harts.kernels.head import softmax as softmax_kernels
+
 #: Vocabulary-sized elements of one row block (with ~3 such buffers alive in backward: 768 MiB in
 #: fp32). Every block costs a dozen kernel launches and a thin GEMM, so the block is as large as
 #: that memory allows: on an H200 (ling-3.0-tiny, 157K vocabulary) 106-row blocks (2^24) took
@@ -65,6 +68,11 @@ def _head_in(dtype, weight, bias):
     return weight.to(dtype), (None if bias is None else bias.to(dtype))
 
 
+def _row_statistics(logits: torch.Tensor):
+    """The row lse / entropy function for this block: the Triton kernel for fp32 blocks on CUDA, else torch ops."""
+    return softmax_kernels.row_lse_entropy if softmax_kernels.available(logits) else softmax_reference.row_lse_entropy
+
+
 def row_blocks(num_rows: int, row_chunk: int):
     for start in range(0, num_rows, row_chunk):
         yield start, min(num_rows, start + row_chunk)
@@ -90,12 +98,10 @@ class CompactLogProbs(torch.autograd.Function):
         head_weight, head_bias = _head_in(dtype, weight, bias)
         for block, (start, end) in enumerate(row_blocks(num_rows, row_chunk)):
             logits = block_logits(hidden[start:end], head_weight, head_bias, dtype)  # [b, V]
-            block_lse = torch.logsumexp(logits, dim=-1)
+            block_lse, block_entropy = _row_statistics(logits)(logits, with_entropy)
             lse[start:end] = block_lse
             if with_entropy:
-                probs = torch.exp(logits - block_lse[:, None])
-                entropy_rows[start:end] = block_lse - (probs * logits).sum(-1)
-                del probs
+                entropy_rows[start:end] = block_entropy
             first, last = block_bounds[block], block_bounds[block + 1]
             if last > first:
                 positions = order[first:last]
@@ -153,12 +159,18 @@ def head_backward(hidden, weight, bias, needs, *, rows, lse, grad_log_probs, gra
     for block, (start, end) in enumerate(row_blocks(num_rows, row_chunk)):
         block_hidden = hidden[start:end].to(dtype)
         logits = block_logits(block_hidden, head_weight, head_bias, dtype)
-        probs = torch.exp(logits - lse[start:end, None])
-        grad_logits = probs * (-row_grad[start:end, None])
-        if entropy_grad is not None:
-            block_expected = (probs * logits).sum(-1, keepdim=True) if expected is None else expected[start:end, None]
-            grad_logits -= entropy_grad[start:end, None] * probs * (logits - block_expected)
-        del logits, probs
+        block_entropy_grad = None if entropy_grad is None else entropy_grad[start:end]
+        block_expected = None if expected is None else expected[start:end]
+        if softmax_kernels.available(logits):
+            if block_entropy_grad is not None and block_expected is None:
+                block_lse, block_entropy = softmax_kernels.row_lse_entropy(logits, True)
+                block_expected = block_lse - block_entropy
+            grad_logits = softmax_kernels.softmax_backward_(logits, lse[start:end], row_grad[start:end], block_entropy_grad,
+                                                            block_expected)
+        else:
+            grad_logits = softmax_reference.softmax_backward(logits, lse[start:end], row_grad[start:end], block_entropy_grad,
+                                                             block_expected)
+        del logits
         first, last = bounds[block], bounds[block + 1]
         if grad_log_probs is not None and last > first:
             positions = order[first:last]
