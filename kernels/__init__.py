@@ -13,6 +13,8 @@ and the tests hold every fast path to its reference, forward and backward.
 * ``attention/``: packed softmax attention with separate query and key spans, bottom-right
   causal (``naive``, ``varlen`` FlashAttention-2, ``tree_mask`` FlexAttention over one KV buffer);
 * ``moe/``: routed SwiGLU experts (``naive`` per expert, ``grouped`` grouped GEMMs);
+* ``head/``: row statistics of the log-prob head's logit blocks (``naive`` torch ops, ``softmax``
+  Triton: log-sum-exp and entropy in one pass, the logits' gradient in place);
 * ``rows/``: row packing between compact rows and the sequence kernels' packed inputs
   (``naive`` index_select / cat, ``packed`` the generated programs' modules, whose backward
   writes each row's gradient once).
