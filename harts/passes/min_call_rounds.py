@@ -32,7 +32,8 @@ be checked against brute force; :class:`MinCallRounds` wraps it for the IR.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -41,6 +42,7 @@ from harts.ir.nodes import InputSequence, Microbatch, Module, Phase, Round, Stat
 from harts.ir.verify_rounds import mandatory_replay  # noqa: F401 - R (Eq. 15) of the forests planned here
 from harts.passes.base import Pass, PassContext
 from harts.passes.registry import builtin_pass
+from harts.passes.round_critical_path import continuation_ends, round_chunk_steps, shortest_round_caps, side_launch
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,12 @@ class ForestPlan:
     exports: tuple[tuple[int, ...], ...]  # per sequence, ascending boundary positions requested from it
     num_rounds: int
     replay_tokens: int
+    round_chunk_steps: tuple[int, ...]  # per round, the chunk steps of its longest sequence
+
+    @property
+    def critical_path(self) -> int:
+        """Serial chunk steps of the plan's state scans: the sum of ``round_chunk_steps``."""
+        return sum(self.round_chunk_steps)
 
 
 def forest_children(parents: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> tuple[list[list[int]], list[int], list[int]]:
@@ -154,23 +162,59 @@ class _Building:
     exports: set[int] = attrs.field(factory=set)
 
 
-def plan_forest(parents: Sequence[int], starts: Sequence[int], ends: Sequence[int], chunk_size: int) -> ForestPlan:
-    """Algorithm 1 on a segment forest; trees are solved separately and share round numbers.
+#: ``choose(segment, kids, same, budget, round) -> child``: the direct continuation of ``segment``
+#: (-1 when none fits), given whether its side branches launch in the same round.
+Chooser = Callable[[int, Sequence[int], bool, int, int], int]
 
-    ``parents[v]`` is -1 for a root; children are taken in ascending id order (the fixed
-    order recovery scans). Rounds are numbered from 0.
-    """
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise PlanningError(f"chunk size must be a positive integer, got {chunk_size!r}")
-    children, roots, top_down = forest_children(parents, starts, ends)
-    t_pre, t_in = call_counts(children, top_down, starts, ends, chunk_size)
-    direct_child = [-1] * len(parents)
+
+def first_fit(t_pre: Sequence[int], t_in: Sequence[int]) -> Chooser:
+    """The paper's rule: the first child that fits its own budget and leaves every other child
+    within the side-branch budget."""
+
+    def choose(segment: int, kids: Sequence[int], same: bool, budget: int, round_index: int) -> int:
+        side_budget = budget if same else budget - 1
+        over_side_budget = sum(1 for child in kids if t_pre[child] > side_budget)
+        for child in kids:
+            own = t_pre[child] if same else t_in[child]
+            if own <= budget and over_side_budget - (t_pre[child] > side_budget) == 0:
+                return child
+        return -1
+
+    return choose
+
+
+def shortest_chain(caps: Sequence[int], least: Sequence[Sequence[tuple[float, float]]], starts: Sequence[int],
+                   ends: Sequence[int], chunk_size: int) -> Chooser:
+    """Within per-round caps: the child whose chain ends earliest among those that leave every other
+    child able to meet its round's cap (``least`` from :func:`continuation_ends` under ``caps``)."""
+
+    def choose(segment: int, kids: Sequence[int], same: bool, budget: int, round_index: int) -> int:
+        _, side_round, replay_chunk = side_launch(starts[segment], ends[segment], same, round_index, chunk_size)
+        if side_round < len(caps):
+            fits = [least[child][side_round][1] <= caps[side_round] + replay_chunk for child in kids]
+        else:
+            fits = [False] * len(kids)
+        misfits = fits.count(False)
+        chosen, chosen_end = -1, math.inf
+        for child, fit in zip(kids, fits):
+            if misfits - (not fit) == 0 and least[child][round_index][same] < chosen_end:
+                chosen, chosen_end = child, least[child][round_index][same]
+        return chosen
+
+    return choose
+
+
+def recover(children: Sequence[Sequence[int]], roots: Sequence[int], starts: Sequence[int], ends: Sequence[int],
+            chunk_size: int, root_budget: Sequence[int], choose: Chooser) -> tuple[list[int], list[_Building]]:
+    """Walk every tree top-down, continuing each sequence with ``choose``'s child and launching the
+    others (same round from the ready anchor, else next round from ``S_{b_v}``)."""
+    direct_child = [-1] * len(children)
     building: list[_Building] = []
     # Task: (segment, anchor ready before the round, round budget, round, sequence).
     tasks: list[tuple[int, bool, int, int, int]] = []
     for root in reversed(roots):
         building.append(_Building([], 0, 0, None, -1, False))
-        tasks.append((root, True, t_pre[root], 0, len(building) - 1))
+        tasks.append((root, True, root_budget[root], 0, len(building) - 1))
     while tasks:
         segment, ready, budget, round_index, carrier = tasks.pop()
         building[carrier].segments.append(segment)
@@ -180,14 +224,7 @@ def plan_forest(parents: Sequence[int], starts: Sequence[int], ends: Sequence[in
         anchor = chunk_size * (starts[segment] // chunk_size)
         boundary = chunk_size * (ends[segment] // chunk_size)
         same = ready and ends[segment] < anchor + chunk_size
-        side_budget = budget if same else budget - 1
-        over_side_budget = sum(1 for child in kids if t_pre[child] > side_budget)
-        chosen = -1
-        for child in kids:
-            own = t_pre[child] if same else t_in[child]
-            if own <= budget and over_side_budget - (t_pre[child] > side_budget) == 0:
-                chosen = child
-                break
+        chosen = choose(segment, kids, same, budget, round_index)
         if chosen < 0:
             raise PlanningError(f"segment {segment}: no direct continuation fits round budget {budget} (inconsistent call counts)")
         direct_child[segment] = chosen
@@ -204,14 +241,45 @@ def plan_forest(parents: Sequence[int], starts: Sequence[int], ends: Sequence[in
             else:
                 carrying.exports.add(boundary)
                 building.append(_Building([], round_index + 1, boundary, StateSource(carrier, boundary), carrier, False))
-            tasks.append((child, True, side_budget, round_index + (0 if same else 1), len(building) - 1))
+            tasks.append((child, True, budget if same else budget - 1, round_index + (0 if same else 1), len(building) - 1))
         tasks.append((chosen, same, budget, round_index, carrier))
+    return direct_child, building
+
+
+def _steps(building: Sequence[_Building], ends: Sequence[int], chunk_size: int) -> tuple[int, ...]:
+    return round_chunk_steps([b.round for b in building], [b.replay_start for b in building], [ends[b.segments[-1]] for b in building], chunk_size)
+
+
+def plan_forest(parents: Sequence[int], starts: Sequence[int], ends: Sequence[int], chunk_size: int) -> ForestPlan:
+    """Algorithm 1 on a segment forest; trees are solved separately and share round numbers.
+
+    ``parents[v]`` is -1 for a root; children are taken in ascending id order (the fixed
+    order recovery scans). Rounds are numbered from 0. Among the plans with the fewest rounds,
+    the first-fit recovery's and those meeting :func:`shortest_round_caps`, the one with the
+    fewest serial chunk steps wins (the first-fit plan on ties).
+    """
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise PlanningError(f"chunk size must be a positive integer, got {chunk_size!r}")
+    children, roots, top_down = forest_children(parents, starts, ends)
+    t_pre, t_in = call_counts(children, top_down, starts, ends, chunk_size)
+    direct_child, building = recover(children, roots, starts, ends, chunk_size, t_pre, first_fit(t_pre, t_in))
+    steps = _steps(building, ends, chunk_size)
+    expected_rounds = max((t_pre[root] for root in roots), default=0)
+    longest = max((-(-ends[v] // chunk_size) for v in range(len(ends)) if not children[v]), default=0)
+    # One round, or already as short as the longest path: nothing to gain.
+    if expected_rounds > 1 and sum(steps) > longest:
+        for caps in shortest_round_caps(children, roots, top_down, starts, ends, chunk_size, expected_rounds):
+            least = continuation_ends(children, top_down, starts, ends, chunk_size, caps)
+            chooser = shortest_chain(caps, least, starts, ends, chunk_size)
+            candidate = recover(children, roots, starts, ends, chunk_size, t_pre, chooser)
+            candidate_steps = _steps(candidate[1], ends, chunk_size)
+            if sum(candidate_steps) < sum(steps):
+                (direct_child, building), steps = candidate, candidate_steps
 
     sequences = tuple(
         PlannedSequence(tuple(b.segments), b.round, b.replay_start, b.state, b.launched_by, b.same_round) for b in building
     )
     num_rounds = max((b.round for b in building), default=-1) + 1
-    expected_rounds = max((t_pre[root] for root in roots), default=0)
     if num_rounds != expected_rounds:
         raise PlanningError(f"recovered plan uses {num_rounds} rounds, the recurrence promised {expected_rounds}")
     return ForestPlan(
@@ -222,6 +290,7 @@ def plan_forest(parents: Sequence[int], starts: Sequence[int], ends: Sequence[in
         exports=tuple(tuple(sorted(b.exports)) for b in building),
         num_rounds=num_rounds,
         replay_tokens=sum(starts[s.segments[0]] - s.replay_start for s in sequences),
+        round_chunk_steps=steps,
     )
 
 
