@@ -19,7 +19,14 @@ Two call counts per segment (both include the round ``v`` runs in): ``t_pre`` wh
 ``S_{a_v}`` is ready before that round, ``t_in`` when ``v`` entered the round as a direct
 continuation whose entry state is produced inside the call (Eq. 12-14). Recovery hands the
 root's budget down, choosing as direct continuation the first child that fits its own
-budget and leaves every other child within the side-branch budget.
+budget and leaves every other child within the side-branch budget (the paper's rule).
+
+Critical path. Many plans share that fewest number of rounds (and R); they differ in how
+long each round's state scan runs, which is its longest sequence in chunks. The paper's rule
+ignores that, so :func:`plan_forest` also recovers plans under per-round caps on the longest
+sequence (:mod:`harts.passes.round_critical_path`) and keeps the one with the fewest serial
+chunk steps, the first-fit plan on ties. Only the choice of continuations changes: every
+plan follows the execution model above.
 
 Determinism: children are scanned in segment-id (token) order, so ties go to the earliest
 child; rounds are numbered from 0 and the sequences of a round are listed by their first

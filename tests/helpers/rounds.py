@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 import itertools
+import math
 
 from hypothesis import strategies as st
 import attrs
@@ -218,3 +219,50 @@ def brute_force_rounds_fixpoint(parents, starts, ends, chunk_size) -> int:
         max(earliest_rounds(parents, starts, ends, chunk_size, chains_for_choice(parents, children, choice))) + 1
         for choice in all_choices(children)
     )
+
+
+def contract_schedule(parents, starts, ends, chunk_size, choice: dict[int, int]) -> list[tuple[list[int], int, int]]:
+    """(chain, round, replay_start) of every sequence when ``choice`` continues each internal segment,
+    rounds as the runtime contract of ``min-call-rounds`` sets them: a side branch of ``v`` launches
+    in its carrier's round from ``a_v`` when ``S_{a_v}`` was ready and ``v`` crosses no boundary,
+    else in the next round from ``b_v``. Written from the docstring, not from the planner."""
+    children = tree_children(parents)
+    schedule = []
+    pending = [(root, 0, 0) for root in range(len(parents)) if parents[root] < 0]
+    while pending:
+        head, round_index, replay_start = pending.pop()
+        chain, ready, segment = [], True, head
+        while True:
+            chain.append(segment)
+            if not children[segment]:
+                break
+            anchor = chunk_size * (starts[segment] // chunk_size)
+            same = ready and ends[segment] < anchor + chunk_size
+            for side in children[segment]:
+                if side != choice[segment]:
+                    if same:
+                        pending.append((side, round_index, anchor))
+                    else:
+                        pending.append((side, round_index + 1, chunk_size * (ends[segment] // chunk_size)))
+            ready, segment = same, choice[segment]
+        schedule.append((chain, round_index, replay_start))
+    return schedule
+
+
+def chunk_steps_of(schedule, ends, chunk_size) -> tuple[int, ...]:
+    """Per round, the chunks of its longest sequence (independent of the library's metric)."""
+    steps = [0] * (max(r for _, r, _ in schedule) + 1)
+    for chain, round_index, replay_start in schedule:
+        steps[round_index] = max(steps[round_index], math.ceil((ends[chain[-1]] - replay_start) / chunk_size))
+    return tuple(steps)
+
+
+def brute_force_critical_path(parents, starts, ends, chunk_size) -> tuple[int, int]:
+    """(fewest rounds, least critical path among the choices with that many rounds) over every choice."""
+    children = tree_children(parents)
+    best = None
+    for choice in all_choices(children):
+        steps = chunk_steps_of(contract_schedule(parents, starts, ends, chunk_size, choice), ends, chunk_size)
+        key = (len(steps), sum(steps))
+        best = key if best is None or key < best else best
+    return best
