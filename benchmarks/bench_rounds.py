@@ -7,7 +7,10 @@ rounded; we compare
 * node-at-a-time: one call per segment along each dependency chain, i.e. the depth of the
   segment tree in segments (per microbatch the max over its trees),
 
-and report the mandatory replay R (Eq. 15) as a share of the compact tokens.
+and report the mandatory replay R (Eq. 15) as a share of the compact tokens, and the critical path
+of the state scans: per microbatch, the sum over rounds of the round's longest sequence in
+chunks (``round_critical_path``), for the chosen plan and for the paper's first-fit continuation
+rule, against the longest trajectory in chunks (what the trajectory-wise baseline walks).
 
 Microbatches come from the ``partition-microbatches`` + ``schedule-slots`` passes when they
 are registered (and ``--contiguous`` is not given); otherwise from a contiguous split of the
@@ -34,7 +37,8 @@ from harts.ir.verify_rounds import verify_rounded, verify_segmented  # noqa: E40
 from harts.options import DEFAULT_OPTIONS  # noqa: E402
 from harts.passes import PASS_REGISTRY, PassContext, lower  # noqa: E402
 from harts.passes.manager import run_pipeline  # noqa: E402
-from harts.passes.min_call_rounds import MinCallRounds  # noqa: E402
+from harts.passes.min_call_rounds import MinCallRounds, call_counts, first_fit, forest_children, recover  # noqa: E402
+from harts.passes.round_critical_path import round_chunk_steps, round_critical_path  # noqa: E402
 from harts.passes.prefix_compress import PrefixCompress  # noqa: E402
 from harts.passes.segment import SegmentPass  # noqa: E402
 from harts.rollouts.workloads import swe_like_step  # noqa: E402
@@ -81,6 +85,22 @@ def segment_depth(microbatch: Microbatch) -> int:
     return max(depth)
 
 
+def first_fit_critical_path(microbatch: Microbatch, chunk_size: int) -> int:
+    """Serial chunk steps of the paper's first-fit continuations on the same segments (for comparison)."""
+    parents = [s.parent for s in microbatch.segments]
+    starts = [s.start for s in microbatch.segments]
+    ends = [s.end for s in microbatch.segments]
+    children, roots, top_down = forest_children(parents, starts, ends)
+    t_pre, t_in = call_counts(children, top_down, starts, ends, chunk_size)
+    _, building = recover(children, roots, starts, ends, chunk_size, t_pre, first_fit(t_pre, t_in))
+    return sum(round_chunk_steps([b.round for b in building], [b.replay_start for b in building],
+                                 [ends[b.segments[-1]] for b in building], chunk_size))
+
+
+def longest_path_chunks(module: Module, microbatch: Microbatch) -> int:
+    return max(-(-module.trajectories[t].length // module.chunk_size) for t in microbatch.trajectories)
+
+
 def measure(seed: int, scale: float, capacity: int, chunk_size: int, contiguous: bool) -> dict:
     batch = swe_like_step(seed=seed, scale=scale)
     module, microbatching = scheduled(batch, capacity, chunk_size, contiguous)
@@ -97,6 +117,7 @@ def measure(seed: int, scale: float, capacity: int, chunk_size: int, contiguous:
     depths = np.array([segment_depth(m) for m in module.microbatches])
     compact = sum(m.work for m in module.microbatches)
     replay = sum(m.replay_tokens for m in module.microbatches)
+    critical = [sum(round_critical_path(m, chunk_size)) for m in module.microbatches]
     return {
         "seed": seed,
         "trajectories": len(batch),
@@ -109,6 +130,10 @@ def measure(seed: int, scale: float, capacity: int, chunk_size: int, contiguous:
         "compact": compact,
         "replay": replay,
         "sequences": sum(len(r.sequences) for m in module.microbatches for r in m.rounds),
+        "critical": sum(critical),
+        "critical_first_fit": sum(first_fit_critical_path(m, chunk_size) for m in module.microbatches),
+        "longest": sum(longest_path_chunks(module, m) for m in module.microbatches),
+        "critical_max": max(critical),
         "segment_s": segmented_at - started,
         "rounds_s": rounded_at - segmented_at,
         "verify_s": verified_at - rounded_at,
@@ -127,11 +152,13 @@ def main() -> None:
     print(f"SWE-like steps, scale {args.scale}, capacity {args.capacity}, chunk size B={args.chunk_size}")
     header = (
         "| seed | paths | microbatches | segments | HARTS rounds max / mean | node-at-a-time calls max / mean "
-        "| calls saved | sequences | replay R | R / compact | segment + rounds (s) | verify (s) |"
+        "| calls saved | sequences | replay R | R / compact | critical path first-fit / chosen / longest path (chunks) "
+        "| segment + rounds (s) | verify (s) |"
     )
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     all_rounds, all_depths, total_replay, total_compact = [], [], 0, 0
+    critical = {"critical_first_fit": 0, "critical": 0, "longest": 0}
     microbatching = ""
     for seed in args.seeds:
         r = measure(seed, args.scale, args.capacity, args.chunk_size, args.contiguous)
@@ -140,11 +167,14 @@ def main() -> None:
         all_depths.extend(r["depths"].tolist())
         total_replay += r["replay"]
         total_compact += r["compact"]
+        for key in critical:
+            critical[key] += r[key]
         saved = 1 - r["rounds"].sum() / r["depths"].sum()
         print(
             f"| {seed} | {r['trajectories']} | {r['microbatches']} | {r['segments']} "
             f"| {r['rounds'].max()} / {r['rounds'].mean():.2f} | {r['depths'].max()} / {r['depths'].mean():.1f} "
             f"| {100 * saved:.1f}% | {r['sequences']} | {r['replay']:,} | {100 * r['replay'] / r['compact']:.3f}% "
+            f"| {r['critical_first_fit']:,} / {r['critical']:,} / {r['longest']:,} "
             f"| {r['segment_s'] + r['rounds_s']:.2f} | {r['verify_s']:.2f} |"
         )
     histogram = {k: all_rounds.count(k) for k in sorted(set(all_rounds))}
@@ -156,6 +186,11 @@ def main() -> None:
         f"{statistics.mean(all_depths):.1f} ({statistics.mean(all_depths) / statistics.mean(all_rounds):.1f}x fewer sequential calls)"
     )
     print(f"replay share of compact tokens over all steps: {100 * total_replay / total_compact:.3f}%")
+    print(
+        f"critical path of the state scans (chunk steps summed over microbatches): first-fit {critical['critical_first_fit']:,}, "
+        f"chosen {critical['critical']:,} ({100 * (1 - critical['critical'] / critical['critical_first_fit']):.1f}% shorter), "
+        f"longest trajectory per microbatch {critical['longest']:,}"
+    )
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ import typer
 import harts
 from harts.kernels import Dispatch
 from harts.options import DEFAULT_OPTIONS
+from harts.passes.round_critical_path import round_critical_path
 from harts.kernels.linear_attention import chunk as fla_chunk
 from harts.rl import grpo_loss
 from harts.runtime import HybridConfig, HybridModel, log_probs_baseline, microbatch_log_probs
@@ -802,6 +803,9 @@ def _plan_figures(run: _Run, plan_seconds: float, first_plan_seconds: float) -> 
     layouts = list(plan.layouts)
     compact_rows = sum(layout.num_rows for layout in layouts)
     rounds = [layout.num_rounds for layout in layouts]
+    # serial chunk steps of the state scans: per round its longest sequence, summed (round_critical_path)
+    round_steps = [list(round_critical_path(layout)) for layout in layouts]
+    longest_chunks = [int(-(-int(batch.lengths[layout.trajectories].max()) // plan.chunk_size)) for layout in layouts]
     sequences = [layout.num_sequences for layout in layouts]
     trie_nodes = [TrieNodes.from_layout(layout) for layout in layouts]
     nodes = [n.num_nodes for n in trie_nodes]
@@ -811,12 +815,17 @@ def _plan_figures(run: _Run, plan_seconds: float, first_plan_seconds: float) -> 
     pair_compression = causal_attention_pairs(batch.lengths) / plan_attention_pairs(layouts)
     say(f"plan: {plan_seconds:.2f} s, {len(layouts)} microbatch(es), {compact_rows} compact rows, "
         f"compression {batch.semantic_tokens / compact_rows:.3f} (attention query-key pairs {pair_compression:.3f}), "
-        f"rounds {rounds}, replay {stats.get('replay_tokens')}, trie nodes {nodes} ({off_grid} off the chunk grid)")
+        f"rounds {rounds}, replay {stats.get('replay_tokens')}, trie nodes {nodes} ({off_grid} off the chunk grid), "
+        f"state-scan chunk steps per round {round_steps} (sum {[sum(steps) for steps in round_steps]}, "
+        f"longest trajectory {longest_chunks})")
     return {
         "plan": {"seconds": plan_seconds, "first_compile_seconds": first_plan_seconds,
                  "microbatches": len(layouts), "compact_rows": compact_rows,
                  "replay_tokens": stats.get("replay_tokens"), "rounds_per_microbatch": rounds,
                  "sequences_per_microbatch": sequences, "trie_nodes_per_microbatch": nodes,
+                 "round_chunk_steps_per_microbatch": round_steps,
+                 "critical_path_chunks_per_microbatch": [sum(steps) for steps in round_steps],
+                 "longest_trajectory_chunks_per_microbatch": longest_chunks,
                  "trie_nodes_off_chunk_grid": off_grid, "stats": stats},
         "compression": batch.semantic_tokens / compact_rows,
         "attention_pair_compression": pair_compression,
