@@ -38,15 +38,20 @@ def _with_tokens(batch, trajectory: int, position: int, token: int):
 
 
 def _shared_row(layout) -> tuple[int, int]:
-    """(trajectory, position) of a row that two member trajectories pass through."""
+    """(trajectory, position) of a row that two member trajectories pass through: the second member
+    (in member order) through it, so the first one still carries the row's original value
+    (whichever sequence the planner lets compute the row)."""
     row = int(np.flatnonzero(layout.row_multiplicity > 1)[0])
     members = [int(t) for t in layout.trajectories]
+    through = []
     for member, trajectory in enumerate(members):
         rows = layout.trajectory_rows[layout.trajectory_offsets[member] : layout.trajectory_offsets[member + 1]]
         hits = np.flatnonzero(rows == row)
-        if hits.size and trajectory != int(layout.row_trajectory[row]):
-            return trajectory, int(hits[0])
-    raise AssertionError("no second trajectory through the shared row")
+        if hits.size:
+            through.append((trajectory, int(hits[0])))
+    if len(through) < 2:
+        raise AssertionError("no second trajectory through the shared row")
+    return through[1]
 
 
 def test_forged_hash_on_a_shared_row_is_refused_naming_trajectories_and_position():
