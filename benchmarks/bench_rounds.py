@@ -37,8 +37,8 @@ from harts.ir.verify_rounds import verify_rounded, verify_segmented  # noqa: E40
 from harts.options import DEFAULT_OPTIONS  # noqa: E402
 from harts.passes import PASS_REGISTRY, PassContext, lower  # noqa: E402
 from harts.passes.manager import run_pipeline  # noqa: E402
-from harts.passes.min_call_rounds import MinCallRounds, call_counts, first_fit, forest_children, recover  # noqa: E402
-from harts.passes.round_critical_path import round_chunk_steps, round_critical_path  # noqa: E402
+from harts.passes.min_call_rounds import MinCallRounds, plan_forest  # noqa: E402
+from harts.passes.round_critical_path import round_critical_path  # noqa: E402
 from harts.passes.prefix_compress import PrefixCompress  # noqa: E402
 from harts.passes.segment import SegmentPass  # noqa: E402
 from harts.rollouts.workloads import swe_like_step  # noqa: E402
@@ -87,14 +87,10 @@ def segment_depth(microbatch: Microbatch) -> int:
 
 def first_fit_critical_path(microbatch: Microbatch, chunk_size: int) -> int:
     """Serial chunk steps of the paper's first-fit continuations on the same segments (for comparison)."""
-    parents = [s.parent for s in microbatch.segments]
-    starts = [s.start for s in microbatch.segments]
-    ends = [s.end for s in microbatch.segments]
-    children, roots, top_down = forest_children(parents, starts, ends)
-    t_pre, t_in = call_counts(children, top_down, starts, ends, chunk_size)
-    _, building = recover(children, roots, starts, ends, chunk_size, t_pre, first_fit(t_pre, t_in))
-    return sum(round_chunk_steps([b.round for b in building], [b.replay_start for b in building],
-                                 [ends[b.segments[-1]] for b in building], chunk_size))
+    segments = microbatch.segments
+    plan = plan_forest([s.parent for s in segments], [s.start for s in segments], [s.end for s in segments], chunk_size,
+                       shorten_critical_path=False)
+    return plan.critical_path
 
 
 def longest_path_chunks(module: Module, microbatch: Microbatch) -> int:

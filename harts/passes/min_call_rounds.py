@@ -47,7 +47,7 @@ import attrs
 from harts.errors import PlanningError
 from harts.ir.nodes import InputSequence, Microbatch, Module, Phase, Round, StateRef
 from harts.ir.verify_rounds import mandatory_replay  # noqa: F401 - R (Eq. 15) of the forests planned here
-from harts.passes.base import Pass, PassContext
+from harts.passes.base import Pass, PassContext, option
 from harts.passes.registry import builtin_pass
 from harts.passes.round_critical_path import continuation_ends, round_chunk_steps, shortest_round_caps, side_launch
 
@@ -257,13 +257,15 @@ def _steps(building: Sequence[_Building], ends: Sequence[int], chunk_size: int) 
     return round_chunk_steps([b.round for b in building], [b.replay_start for b in building], [ends[b.segments[-1]] for b in building], chunk_size)
 
 
-def plan_forest(parents: Sequence[int], starts: Sequence[int], ends: Sequence[int], chunk_size: int) -> ForestPlan:
+def plan_forest(parents: Sequence[int], starts: Sequence[int], ends: Sequence[int], chunk_size: int,
+                shorten_critical_path: bool = True) -> ForestPlan:
     """Algorithm 1 on a segment forest; trees are solved separately and share round numbers.
 
     ``parents[v]`` is -1 for a root; children are taken in ascending id order (the fixed
     order recovery scans). Rounds are numbered from 0. Among the plans with the fewest rounds,
     the first-fit recovery's and those meeting :func:`shortest_round_caps`, the one with the
-    fewest serial chunk steps wins (the first-fit plan on ties).
+    fewest serial chunk steps wins (the first-fit plan on ties). ``shorten_critical_path=False``
+    keeps the first-fit plan (the paper's rule, and a cheaper plan).
     """
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise PlanningError(f"chunk size must be a positive integer, got {chunk_size!r}")
@@ -274,7 +276,7 @@ def plan_forest(parents: Sequence[int], starts: Sequence[int], ends: Sequence[in
     expected_rounds = max((t_pre[root] for root in roots), default=0)
     longest = max((-(-ends[v] // chunk_size) for v in range(len(ends)) if not children[v]), default=0)
     # One round, or already as short as the longest path: nothing to gain.
-    if expected_rounds > 1 and sum(steps) > longest:
+    if shorten_critical_path and expected_rounds > 1 and sum(steps) > longest:
         for caps in shortest_round_caps(children, roots, top_down, starts, ends, chunk_size, expected_rounds):
             least = continuation_ends(children, top_down, starts, ends, chunk_size, caps)
             chooser = shortest_chain(caps, least, starts, ends, chunk_size)
@@ -301,7 +303,7 @@ def plan_forest(parents: Sequence[int], starts: Sequence[int], ends: Sequence[in
     )
 
 
-def round_microbatch(microbatch: Microbatch, chunk_size: int) -> Microbatch:
+def round_microbatch(microbatch: Microbatch, chunk_size: int, shorten_critical_path: bool = True) -> Microbatch:
     """Fill ``rounds`` and ``replay_tokens`` of one segmented microbatch."""
     segments = microbatch.segments
     if not segments:
@@ -310,7 +312,7 @@ def round_microbatch(microbatch: Microbatch, chunk_size: int) -> Microbatch:
     starts = [s.start for s in segments]
     ends = [s.end for s in segments]
     try:
-        plan = plan_forest(parents, starts, ends, chunk_size)
+        plan = plan_forest(parents, starts, ends, chunk_size, shorten_critical_path)
     except PlanningError as error:
         raise PlanningError(f"microbatch {microbatch.index}: {error}") from None
 
@@ -345,8 +347,13 @@ def round_microbatch(microbatch: Microbatch, chunk_size: int) -> Microbatch:
 @builtin_pass("min-call-rounds")
 @attrs.frozen
 class MinCallRounds(Pass):
+    #: among the plans with the fewest rounds, pick one with few serial chunk steps (round_critical_path)
+    shorten_critical_path: bool = option(True, doc="choose continuations that shorten the rounds' state scans")
+
     def run(self, module: Module, ctx: PassContext) -> Module:
-        microbatches = tuple(round_microbatch(microbatch, module.chunk_size) for microbatch in module.microbatches)
+        microbatches = tuple(
+            round_microbatch(microbatch, module.chunk_size, self.shorten_critical_path) for microbatch in module.microbatches
+        )
         logger.debug(
             "min-call-rounds: max %d rounds, %d replay tokens over %d microbatches",
             max((len(m.rounds) for m in microbatches), default=0),

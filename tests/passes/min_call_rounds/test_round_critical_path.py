@@ -33,7 +33,9 @@ def first_fit_steps(parents, starts, ends, chunk):
     children, roots, top_down = forest_children(parents, starts, ends)
     t_pre, t_in = call_counts(children, top_down, starts, ends, chunk)
     _, building = recover(children, roots, starts, ends, chunk, t_pre, first_fit(t_pre, t_in))
-    return chunk_steps_of([(b.segments, b.round, b.replay_start) for b in building], ends, chunk)
+    steps = chunk_steps_of([(b.segments, b.round, b.replay_start) for b in building], ends, chunk)
+    assert plan_forest(parents, starts, ends, chunk, shorten_critical_path=False).round_chunk_steps == steps
+    return steps
 
 
 def plan_schedule(plan):
@@ -130,8 +132,15 @@ def test_metric_of_microbatches_and_layouts(case):
     verify(module)
     (microbatch,) = module.microbatches
     segments = microbatch.segments
-    plan = plan_forest([s.parent for s in segments], [s.start for s in segments], [s.end for s in segments], chunk)
-    assert round_critical_path(microbatch, chunk) == plan.round_chunk_steps
+    forest = ([s.parent for s in segments], [s.start for s in segments], [s.end for s in segments])
+    assert round_critical_path(microbatch, chunk) == plan_forest(*forest, chunk).round_chunk_steps
+    # The option keeps the paper's rule; both plans verify and keep the rounds and R.
+    plain = MinCallRounds(shorten_critical_path=False).run(SegmentPass().run(scheduled_module(token_lists, chunk)[1], ctx), ctx)
+    verify(plain)
+    (plain_microbatch,) = plain.microbatches
+    assert round_critical_path(plain_microbatch, chunk) == first_fit_steps(*forest, chunk)
+    assert sum(round_critical_path(microbatch, chunk)) <= sum(round_critical_path(plain_microbatch, chunk))
+    assert (len(plain_microbatch.rounds), plain_microbatch.replay_tokens) == (len(microbatch.rounds), microbatch.replay_tokens)
     compiled = harts.compile(harts.RolloutBatch.from_trajectories(token_lists), capacity=sum(map(len, token_lists)), chunk_size=chunk)
     for layout in compiled.layouts:
         steps = round_critical_path(layout)
