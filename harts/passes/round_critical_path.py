@@ -25,8 +25,9 @@ Measured (B=64): the harts-bench headline drops from 204 to 175 chunk steps (lon
 130) and the 3x batch from 203 to 196 (longest 167), both the minimum an exhaustive search over
 cap vectors finds; on random small trees the result matches a brute force over every choice
 of continuations in about 99% of cases. Launching side branches in a later round than the
-runtime contract does (the runtime would accept any earlier producer) was tried too and gave
-nothing on these workloads, so the contract's round assignment is kept. Cost: about
+runtime contract does (the runtime would accept any earlier producer) was tried too: no shorter
+plan for the headline or the 3x batch, under 0.1% on the SWE-like steps of
+``benchmarks/bench_rounds.py``, so the contract's round assignment is kept. Cost: about
 ``2 * rounds * log2(longest path in chunks)`` linear sweeps, a few milliseconds per microbatch.
 """
 
