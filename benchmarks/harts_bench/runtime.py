@@ -87,6 +87,7 @@ from harts.options import DEFAULT_OPTIONS
 from harts.kernels.linear_attention import chunk as fla_chunk
 from harts.rl import grpo_loss
 from harts.runtime import HybridConfig, HybridModel, log_probs_baseline, microbatch_log_probs
+from harts.runtime.api import bind_plan
 from harts.runtime.tree_view import TreeView
 from harts.runtime.view import BaselineView
 from harts_bench.ablation import (
@@ -278,28 +279,35 @@ def build_model(args, device: torch.device) -> HybridModel:
 
 def baseline_pass(model, batch, groups, chunk_size, kernels, num_trajectories, collect=False):
     """F/B/Grad of the trajectory-wise baseline; returns (loss, per-trajectory log-probs or None)."""
-    total_loss = 0.0
+    losses = []
     collected = {}
     for group in groups:
         sub = batch.subset(group)
         out = log_probs_baseline(model, sub, recompute=True, chunk_size=chunk_size, kernels=kernels)
         loss = grpo_loss(out, sub, advantages=sub.trajectory_fields["advantage"], denominator=num_trajectories).loss
         loss.backward()
-        total_loss += float(loss.detach())
+        losses.append(loss.detach())
         if collect:
             for j, trajectory in enumerate(group):
                 collected[trajectory] = out.log_probs[j].detach().float().cpu()
-    return total_loss, (collected if collect else None)
+    return total_of(losses), (collected if collect else None)
+
+
+def total_of(losses: list[torch.Tensor]) -> float:
+    """The pass's loss: its microbatches' losses read to the host in one go, after the last backward (a read
+    per microbatch would make the host wait for the device there), and summed in float64 in their order."""
+    return float(sum(torch.stack(losses).tolist())) if losses else 0.0
 
 
 def harts_pass(model, plan, batch, kernels, num_trajectories, collect=False, view_type=TreeView):
     """F/B/Grad of the compiled plan, one microbatch at a time (``view_type``: the execution view, for ablations)."""
     advantages = batch.trajectory_fields["advantage"]
     masks = batch.token_fields["loss_mask"]
-    total_loss = 0.0
+    losses = []
     collected = {}
+    bound = bind_plan(plan, batch, model)  # once per pass, as Trainer.step binds once per step
     for microbatch in range(len(plan.module.microbatches)):
-        out = microbatch_log_probs(model, plan, batch, microbatch, recompute=True, kernels=kernels, view_type=view_type)
+        out = microbatch_log_probs(model, bound, batch, microbatch, recompute=True, kernels=kernels, view_type=view_type)
         members = list(out.trajectories)
         pieces = [out.log_probs[int(out.offsets[j]) : int(out.offsets[j + 1])] for j in range(len(members))]
         loss = grpo_loss(
@@ -309,11 +317,11 @@ def harts_pass(model, plan, batch, kernels, num_trajectories, collect=False, vie
             denominator=num_trajectories,
         ).loss
         loss.backward()
-        total_loss += float(loss.detach())
+        losses.append(loss.detach())
         if collect:
             for j, trajectory in enumerate(members):
                 collected[trajectory] = pieces[j].detach().float().cpu()
-    return total_loss, (collected if collect else None)
+    return total_of(losses), (collected if collect else None)
 
 
 def measure(name, run, model, device, warmup, repeats):
