@@ -9,6 +9,8 @@ CPU and on CUDA; only CUDA waits). The checks that used to read the device now r
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -67,6 +69,21 @@ def test_the_benchmarks_harts_pass_reads_the_device_once_for_its_loss(trajectori
     # the microbatches' losses, read together after the last backward: the pass's only wait
     assert list(sites.values()) == [1] and "torch.stack(losses)" in next(iter(sites)), sites
     assert np.isfinite(loss)
+
+
+def test_a_repeated_pass_on_a_bound_plan_copies_no_runtime_tensor_to_the_device(monkeypatch):
+    """Row tokens (per bound plan) and row positions, multiplicities and program buffers (per layout) go to the
+    device once; what a repeated pass still copies is the loss's own metadata, from pinned memory."""
+    model = tiny_model(dtype="float32")
+    batch = bench_batch([t.tolist() for t in forked_batch(CHUNK).tokens])
+    bound = two_microbatches(batch).bind(batch, model)
+    harts_pass(model, bound, batch, KERNELS, len(batch.tokens))
+    callers = []
+    upload = host.upload
+    monkeypatch.setattr(host, "upload", lambda *a, **k: callers.append(sys._getframe(1).f_code.co_filename) or upload(*a, **k))
+    harts_pass(model, bound, batch, KERNELS, len(batch.tokens))
+    model.zero_grad(set_to_none=True)
+    assert callers and all(name.endswith("/harts/rl.py") for name in callers), callers
 
 
 def test_the_benchmarks_passes_keep_their_loss():
