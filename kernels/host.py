@@ -115,7 +115,7 @@ def value_range(tensor: torch.Tensor) -> tuple[Any, Any] | None:
     empty tensor's copy, which has no range.
     """
     for candidate in (tensor, getattr(tensor, "_base", None)):
-        if candidate is None:
+        if candidate is None or candidate.dtype != tensor.dtype:  # a view as another dtype reads other values
             continue
         entry = _entry(candidate)
         if entry is None:

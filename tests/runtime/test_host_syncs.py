@@ -217,6 +217,7 @@ def test_an_upload_carries_its_host_copy_until_written(values, dtype):
     assert host.value_range(tensor) == (min(values), max(values))
     column = tensor[1:]
     assert host.host_values(column) is None and host.value_range(column) == (min(values), max(values))
+    assert host.value_range(tensor.view(torch.int32) if tensor.dtype == torch.long else tensor.view(torch.uint8)) is None
     assert host.cached(tensor, "sum", lambda v: v.sum()) == sum(values)
     array[0] = 99  # the caller's array may change: the record is the upload's own copy
     assert host.host_values(tensor)[0] == values[0]
