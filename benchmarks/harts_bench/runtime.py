@@ -82,7 +82,7 @@ import torch
 import typer
 
 import harts
-from harts.kernels import Dispatch
+from harts.kernels import Dispatch, host
 from harts.options import DEFAULT_OPTIONS
 from harts.kernels.linear_attention import chunk as fla_chunk
 from harts.rl import grpo_loss
@@ -357,7 +357,9 @@ class SequenceAtATime(Dispatch):
 
     def chunk_linear_attention(self, q, k, v, log_decay, beta, cu_seqlens, *, chunk_size, scale,
                                initial_state=None, export_chunks=None):
-        bounds = cu_seqlens.tolist()
+        # the program's offsets carry their host copy: read there, as HARTS' own call reads them (no device read)
+        known = host.host_values(cu_seqlens)
+        bounds = known.tolist() if known is not None else cu_seqlens.tolist()
         sizes = np.diff(bounds).tolist()
         # one split per input: its backward is one concatenation, where a slice per sequence would
         # materialise a full-size zero gradient per sequence and charge that to the ablation
@@ -365,7 +367,8 @@ class SequenceAtATime(Dispatch):
         states = None if initial_state is None else initial_state.split(1)
         outputs, finals, exports = [], [], []
         for i, size in enumerate(sizes):
-            one = torch.tensor([0, size], dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+            # on the host, as NodeAtATimeView's: the kernels read offsets on the host and keep their own device copy
+            one = torch.tensor([0, size], dtype=cu_seqlens.dtype)
             o, final, exported = super().chunk_linear_attention(
                 *(piece[i] for piece in pieces), one,
                 chunk_size=chunk_size, scale=scale,

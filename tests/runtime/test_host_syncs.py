@@ -27,7 +27,8 @@ from harts.runtime import log_probs, log_probs_baseline
 from harts.runtime.tree_view import TreeView
 from harts.runtime.view import BaselineView
 from harts.train import TrainConfig, Trainer
-from harts_bench.runtime import baseline_pass, harts_pass
+from harts_bench.ablation import NodeAtATimeView
+from harts_bench.runtime import SequenceAtATime, baseline_pass, harts_pass
 from tests.helpers import forked_batch, make_plan, tiny_model, token_trees
 from tests.helpers.syncs import DeviceWaits
 
@@ -69,6 +70,18 @@ def test_the_benchmarks_harts_pass_reads_the_device_once_for_its_loss(trajectori
     # the microbatches' losses, read together after the last backward: the pass's only wait
     assert list(sites.values()) == [1] and "torch.stack(losses)" in next(iter(sites)), sites
     assert np.isfinite(loss)
+
+
+@pytest.mark.parametrize("ablation", ["sequence-at-a-time", "node-at-a-time"])
+def test_the_ablations_passes_wait_as_harts_does(ablation):
+    """The ablations are charged their own schedule, not syncs HARTS' pass does not make."""
+    model = tiny_model(dtype="float32")
+    batch = bench_batch([t.tolist() for t in forked_batch(CHUNK).tokens])
+    bound = two_microbatches(batch).bind(batch, model)
+    kernels, view = (SequenceAtATime("auto"), TreeView) if ablation == "sequence-at-a-time" else (KERNELS, NodeAtATimeView)
+    sites, _ = waits_of(lambda: harts_pass(model, bound, batch, kernels, len(batch.tokens), view_type=view), model)
+    model.zero_grad(set_to_none=True)
+    assert list(sites.values()) == [1] and "torch.stack(losses)" in next(iter(sites)), sites
 
 
 def test_a_repeated_pass_on_a_bound_plan_copies_no_runtime_tensor_to_the_device(monkeypatch):
