@@ -86,18 +86,19 @@ def upload(values: np.ndarray | torch.Tensor, device: torch.device | str, dtype:
     device = torch.device(device)
     if isinstance(values, torch.Tensor):
         staged = values.to(dtype) if dtype is not None else values
-        values = staged.numpy()
-        staged = staged.clone()  # the result never shares memory with the recorded copy
+        values = staged.numpy().copy()  # the record never shares memory with a tensor someone may write
+        fresh = False
     else:
         values = np.asarray(values)
         # torch.tensor copies: batch and layout arrays are read-only, which torch.as_tensor warns about
         staged = torch.tensor(values, dtype=dtype)
         if dtype is not None or values.flags.writeable:  # the record must not change under the tensor
             values = staged.numpy().copy()
+        fresh = True
     if device.type == "cuda":
         tensor = staged.pin_memory().to(device, non_blocking=True)
     else:
-        tensor = staged.to(device)
+        tensor = staged.to(device, copy=not fresh)  # always a tensor of its own, as on a GPU
     return record(tensor, values)
 
 

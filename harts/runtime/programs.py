@@ -67,10 +67,15 @@ class LayoutCache:
 
 def on_device(program: torch.fx.GraphModule, device: torch.device | str) -> torch.fx.GraphModule:
     """``program`` with its index buffers on ``device``, each carrying its host copy (:mod:`harts.kernels.host`),
-    so that the checks and kernels that need a buffer's values on the host never read them from the device."""
-    values = {name: np.array(buffer.numpy()) for name, buffer in program.named_buffers()}
-    for name, buffer in program.to(device).named_buffers():
-        host.record(buffer, values[name])
+    so that the checks and kernels that need a buffer's values on the host never read them from the device.
+
+    Each buffer goes by :func:`harts.kernels.host.upload` (pinned, no wait for the device) rather than by
+    ``program.to(device)``, whose copies from pageable memory would each wait: a training step on a new
+    plan builds its programs in its first pass.
+    """
+    for module in program.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            module.register_buffer(name, host.upload(buffer, device))
     return program
 
 

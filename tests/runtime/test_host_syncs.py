@@ -24,6 +24,8 @@ from harts.kernels.dispatch import Dispatch
 from harts.numerics import compact_log_probs
 from harts.rl import grpo_loss, policy_loss
 from harts.runtime import log_probs, log_probs_baseline
+from harts.codegen.fx import build_program
+from harts.runtime.programs import RUNTIME_CACHE
 from harts.runtime.tree_view import TreeView
 from harts.runtime.view import BaselineView
 from harts.train import TrainConfig, Trainer
@@ -173,6 +175,11 @@ def test_views_share_their_layouts_device_tensors():
     assert first.positions is second.positions and first.row_weight is second.row_weight
     assert torch.equal(first.positions, torch.tensor(layout.row_position))
     assert torch.equal(first.row_weight, torch.tensor(layout.row_multiplicity, dtype=torch.get_default_dtype()))
+    for kind, options in (("linear_attention", {}), ("conv", {"width": 4}), ("attention", {}), ("log_probs", {})):
+        program = RUNTIME_CACHE.program(layout, kind, "cpu", None, **options)
+        buffers = dict(program.named_buffers())
+        assert buffers and all(np.array_equal(host.host_values(b), b.numpy()) for b in buffers.values()), kind
+        assert dict(build_program(layout, kind, **options).named_buffers()).keys() == buffers.keys()
     baseline = BaselineView([3, 1, 4], CHUNK)
     assert baseline.cu_seqlens.tolist() == [0, 3, 4, 8] and baseline.positions.tolist() == [0, 1, 2, 0, 0, 1, 2, 3]
     assert host.host_values(baseline.cu_seqlens).tolist() == [0, 3, 4, 8]
