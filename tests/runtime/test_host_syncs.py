@@ -21,6 +21,7 @@ import harts
 from harts.errors import ModelInputError, RolloutInputError
 from harts.kernels import host
 from harts.kernels.dispatch import Dispatch
+from harts.kernels.linear_attention.chunk import chunk_indices
 from harts.numerics import compact_log_probs
 from harts.rl import grpo_loss, policy_loss
 from harts.runtime import log_probs, log_probs_baseline
@@ -264,3 +265,16 @@ def test_policy_loss_metrics_are_the_sums_over_the_masked_tokens():
     assert sums["ratio_min"] == ratio[trained].min() and sums["ratio_max"] == ratio[trained].max()
     nothing = policy_loss(log_probs, advantages=np.ones(3), loss_mask=[np.zeros(n) for n in lengths])
     assert nothing.sums["ratio_min"] == float("inf") and nothing.sums["ratio_max"] == float("-inf")
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(0, 200), min_size=1, max_size=8).filter(lambda n: sum(n) > 0),
+       chunk_size=st.sampled_from([32, 64]))
+def test_the_chunk_table_is_flas_formula(lengths, chunk_size):
+    """``chunk_indices`` against fla 0.6's ``prepare_chunk_indices`` (fla.ops.utils.index), transcribed: the GPU
+    test in tests/kernels/test_linear_attention_chunk.py compares it with fla itself."""
+    counts = [-(-n // chunk_size) for n in lengths]
+    within = torch.cat([torch.arange(n) for n in counts])
+    want = torch.stack([within.eq(0).cumsum(0) - 1, within], 1)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    assert torch.equal(torch.from_numpy(chunk_indices(offsets, int(offsets[-1]))), want)
