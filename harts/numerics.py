@@ -25,8 +25,10 @@ to positions the same way (its gradient is -p * (z - E_p[z])).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from harts.kernels import host
 from harts.kernels.head import naive as softmax_reference
 from harts.kernels.head import softmax as softmax_kernels
 
@@ -78,6 +80,20 @@ def row_blocks(num_rows: int, row_chunk: int):
         yield start, min(num_rows, start + row_chunk)
 
 
+def row_block_bounds(rows: torch.Tensor, sorted_rows: torch.Tensor, num_rows: int, row_chunk: int) -> list[int]:
+    """Where each block of ``row_chunk`` rows starts among the positions sorted by row (``sorted_rows``:
+    ``rows`` sorted), and where the last ends: from the host copy of ``rows`` when it has one (a plan's
+    rows, :mod:`harts.kernels.host`), once per row chunk; else read from the device (a sync)."""
+
+    def on_host(values: np.ndarray) -> list[int]:
+        return np.searchsorted(np.sort(values), np.arange(0, num_rows + row_chunk, row_chunk)).tolist()
+
+    known = host.cached(rows, ("row_block_bounds", num_rows, row_chunk), on_host)
+    if known is not None:
+        return known
+    return torch.searchsorted(sorted_rows, torch.arange(0, num_rows + row_chunk, row_chunk, device=rows.device)).tolist()
+
+
 class CompactLogProbs(torch.autograd.Function):
     """(hidden [C, D], weight [V, D], bias [V] | None, rows [P], targets [P]) -> (log-probs [P], entropy [P] | None)."""
 
@@ -91,7 +107,7 @@ class CompactLogProbs(torch.autograd.Function):
         num_rows = hidden.shape[0]
         order = torch.argsort(rows, stable=True)
         sorted_rows = rows.index_select(0, order)
-        block_bounds = torch.searchsorted(sorted_rows, torch.arange(0, num_rows + row_chunk, row_chunk, device=rows.device)).tolist()
+        block_bounds = row_block_bounds(rows, sorted_rows, num_rows, row_chunk)
         lse = hidden.new_empty(num_rows, dtype=dtype)
         entropy_rows = hidden.new_empty(num_rows, dtype=dtype) if with_entropy else None
         target_logits = hidden.new_empty(rows.shape[0], dtype=dtype)
@@ -195,6 +211,19 @@ def head_backward(hidden, weight, bias, needs, *, rows, lse, grad_log_probs, gra
     return grad_hidden, grad_weight, grad_bias
 
 
+def outside(values: torch.Tensor, low: int, high: int) -> bool:
+    """Whether a value of the (non-empty) integer tensor lies outside ``[low, high)``.
+
+    Decided on the host when the tensor's values are known there (:func:`harts.kernels.host.value_range`:
+    a plan's rows, token ids put on the device by the runtime, or ids gathered from those); otherwise,
+    or when that range does not settle it, by reading the minimum and maximum from the device (a sync).
+    """
+    known = host.value_range(values)
+    if known is not None and low <= known[0] and known[1] < high:
+        return False
+    return int(values.min()) < low or int(values.max()) >= high
+
+
 def checked_head_inputs(hidden, weight, rows, targets, *, vocab_size: int, row_chunk: int | None):
     """The log-prob head's inputs checked (shapes, row and token ranges) and put on ``hidden``'s device as
     longs, with the row chunk to use: (rows, targets, row_chunk). ``weight`` may be a vocabulary shard."""
@@ -205,9 +234,9 @@ def checked_head_inputs(hidden, weight, rows, targets, *, vocab_size: int, row_c
     rows = rows.to(device=hidden.device, dtype=torch.long)
     targets = targets.to(device=hidden.device, dtype=torch.long)
     if rows.numel():
-        if int(rows.min()) < 0 or int(rows.max()) >= hidden.shape[0]:
+        if outside(rows, 0, hidden.shape[0]):
             raise ValueError(f"rows must lie in [0, {hidden.shape[0]})")
-        if int(targets.min()) < 0 or int(targets.max()) >= vocab_size:
+        if outside(targets, 0, vocab_size):
             bad = int(targets.max()) if int(targets.max()) >= vocab_size else int(targets.min())
             raise ValueError(f"target token {bad} is outside the vocabulary [0, {vocab_size})")
     chunk = row_chunk if row_chunk is not None else default_row_chunk(hidden.shape[0], weight.shape[0])

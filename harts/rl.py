@@ -30,6 +30,7 @@ accumulated gradients do not depend on the microbatching or the data-parallel de
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ import numpy as np
 import torch
 
 from harts.errors import RolloutInputError
+from harts.kernels import host
 
 __all__ = [
     "PolicyLoss",
@@ -68,11 +70,26 @@ class PolicyLoss:
     sums behind them (``tokens``, ``clipped``, ``ratio``, ``neg_log_ratio``, ``kl`` when
     a KL term is computed), and ``ratio_min`` / ``ratio_max`` over masked tokens, so that a
     training loop can combine microbatches and ranks into batch-level figures.
+
+    The sums stay on the device; ``metrics`` reads them to the host when it is first asked for
+    (a read waits for the device), so a loop that combines the sums reads them once per step.
     """
 
     loss: torch.Tensor
-    metrics: dict[str, float]
     sums: dict[str, torch.Tensor] = attrs.field(factory=dict)
+
+    @functools.cached_property
+    def metrics(self) -> dict[str, float]:
+        sums = self.sums
+        count = sums["tokens"].clamp_min(1)
+        names = ("clip_fraction", "clipped"), ("approx_kl_old", "neg_log_ratio"), ("ratio_mean", "ratio")
+        means = [sums[total] / count for _, total in names] + ([sums["kl"] / count] if "kl" in sums else [])
+        values = torch.stack([*means, sums["tokens"]]).tolist()  # one read of the device for all of them
+        metrics = {name: values[i] for i, (name, _) in enumerate(names)}
+        if "kl" in sums:
+            metrics["kl"] = values[len(names)]
+        metrics["tokens"] = values[-1]
+        return metrics
 
 
 def pack_log_probs(log_probs: Any, cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +101,8 @@ def pack_log_probs(log_probs: Any, cu_seqlens: torch.Tensor | None = None) -> tu
         if cu_seqlens is None:
             raise ValueError("a packed log-prob tensor needs cu_seqlens (one offset per trajectory boundary)")
         cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.long)
-        if log_probs.dim() != 1 or int(cu_seqlens[-1]) != log_probs.shape[0] or int(cu_seqlens[0]) != 0:
+        bounds = host_offsets(cu_seqlens)
+        if log_probs.dim() != 1 or int(bounds[-1]) != log_probs.shape[0] or int(bounds[0]) != 0:
             raise ValueError(f"cu_seqlens must run from 0 to the packed length {log_probs.shape[0]}")
         return log_probs, cu_seqlens
     pieces = list(log_probs)
@@ -94,6 +112,24 @@ def pack_log_probs(log_probs: Any, cu_seqlens: torch.Tensor | None = None) -> tu
     offsets = torch.zeros(len(pieces) + 1, dtype=torch.long)
     offsets[1:] = torch.cumsum(lengths, 0)
     return torch.cat(pieces), offsets
+
+
+def host_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``cu_seqlens`` on the host, where the losses read trajectory lengths: a device tensor's recorded host copy
+    (:mod:`harts.kernels.host`), else read from the device once (a sync)."""
+    cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.long)
+    if cu_seqlens.device.type == "cpu":
+        return cu_seqlens
+    known = host.host_values(cu_seqlens)
+    return torch.tensor(known, dtype=torch.long) if known is not None else cu_seqlens.cpu()
+
+
+def _device_scalar(value: Any, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.as_tensor(value, dtype=dtype, device=device)``, made by a fill on the device: a copy of a host
+    number to a GPU waits for the queue, a fill is queued like any kernel."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=dtype)
+    return torch.full((), value, dtype=dtype or torch.as_tensor(value).dtype, device=device)
 
 
 def _field(batch, names: Sequence[str]):
@@ -118,6 +154,7 @@ def token_metadata(
     log-prob (``len(tokens) - 1`` entries, the runtime's output layout), and ``values`` may be
     the packed tensor or a runtime output object (``.packed`` / ``.cu_seqlens``).
     """
+    cu_seqlens = host_offsets(cu_seqlens)
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     if log_prob_layout and hasattr(values, "packed") and hasattr(values, "cu_seqlens"):
         if not torch.equal(values.cu_seqlens.to("cpu", torch.long), cu_seqlens.to("cpu", torch.long)):
@@ -128,7 +165,8 @@ def token_metadata(
         return values.detach().to(device=device, dtype=dtype)
     if isinstance(values, torch.Tensor) and values.dim() == 1 and values.shape[0] == len(lengths):
         values = values.detach().to(device=device, dtype=dtype)
-        return torch.repeat_interleave(values, torch.as_tensor(lengths, dtype=torch.long, device=values.device))
+        counts = host.upload(np.asarray(lengths, dtype=np.int64), values.device)
+        return torch.repeat_interleave(values, counts, output_size=sum(lengths))  # the size given: no device read
     if len(values) != len(lengths):
         raise RolloutInputError(f"field '{name}': expected one entry per trajectory ({len(lengths)}), got {len(values)}")
     pieces = []
@@ -158,11 +196,7 @@ def _packed_on(pieces: list[torch.Tensor], device) -> torch.Tensor:
     which does not wait for the queued kernels (a copy per piece from pageable memory waits each time)."""
     if device is None or any(p.device.type != "cpu" for p in pieces):
         return torch.cat([p.to(device) for p in pieces])
-    host = torch.cat(pieces)
-    target = torch.device(device)
-    if target.type == "cuda":
-        return host.pin_memory().to(target, non_blocking=True)
-    return host.to(target)
+    return host.upload(torch.cat(pieces), device)
 
 
 def loss_denominator(loss_mask: Any, cu_seqlens: torch.Tensor, reduction: str) -> float | None:
@@ -194,17 +228,17 @@ def reduce_tokens(per_token: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch
     """
     masked = per_token * mask
     if reduction == "token-mean":
-        total = mask.sum() if denominator is None else torch.as_tensor(denominator, dtype=mask.dtype, device=mask.device)
+        total = mask.sum() if denominator is None else _device_scalar(denominator, mask.device, mask.dtype)
         return masked.sum() / total.clamp_min(1)
     if reduction == "sum":
         return masked.sum()
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    owner = torch.repeat_interleave(torch.arange(len(lengths), device=per_token.device), lengths.to(per_token.device))
+    lengths = np.diff(host_offsets(cu_seqlens).numpy())
+    owner = host.upload(np.repeat(np.arange(len(lengths), dtype=np.int64), lengths), per_token.device)
     sums = torch.zeros(len(lengths), dtype=per_token.dtype, device=per_token.device).index_add(0, owner, masked)
     counts = torch.zeros(len(lengths), dtype=mask.dtype, device=mask.device).index_add(0, owner, mask)
     active = counts > 0
     per_sequence = sums / counts.clamp_min(1) if reduction == "seq-mean" else sums
-    count = active.sum() if denominator is None else torch.as_tensor(denominator, device=per_token.device)
+    count = active.sum() if denominator is None else _device_scalar(denominator, per_token.device)
     return (per_sequence * active).sum() / torch.as_tensor(count, dtype=per_token.dtype).clamp_min(1)
 
 
@@ -236,7 +270,7 @@ def policy_loss(
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     packed, cu = pack_log_probs(log_probs, cu_seqlens)
     device, dtype = packed.device, packed.dtype
-    cu = cu.to(device)
+    cu = host_offsets(cu)  # lengths are host figures: kept there, never read back from the device
     advantage = token_metadata(advantages, cu, name="advantages", device=device, dtype=dtype)
     mask = (
         torch.ones_like(packed) if loss_mask is None else token_metadata(loss_mask, cu, name="loss_mask", device=device, dtype=dtype)
@@ -272,19 +306,12 @@ def policy_loss(
         sums["clipped"] = ((clipped > unclipped).to(dtype) * mask).sum()
         sums["neg_log_ratio"] = (-log_ratio * mask).sum()
         sums["ratio"] = (ratio * mask).sum()
-        selected = ratio[mask > 0]
-        sums["ratio_min"] = selected.min() if selected.numel() else ratio.new_tensor(float("inf"))
-        sums["ratio_max"] = selected.max() if selected.numel() else ratio.new_tensor(float("-inf"))
-        count = sums["tokens"].clamp_min(1)
-        metrics = {
-            "clip_fraction": float(sums["clipped"] / count),
-            "approx_kl_old": float(sums["neg_log_ratio"] / count),
-            "ratio_mean": float(sums["ratio"] / count),
-            "tokens": float(sums["tokens"]),
-        }
-        if "kl" in sums:
-            metrics["kl"] = float(sums["kl"] / count)
-    return PolicyLoss(loss=loss, metrics=metrics, sums=sums)
+        # over masked tokens by a where, not ratio[mask > 0]: a boolean selection's size is read from the device;
+        # no masked token leaves inf / -inf, as an empty selection did
+        masked = mask > 0
+        sums["ratio_min"] = torch.where(masked, ratio, float("inf")).amin() if ratio.numel() else ratio.new_full((), float("inf"))
+        sums["ratio_max"] = torch.where(masked, ratio, float("-inf")).amax() if ratio.numel() else ratio.new_full((), float("-inf"))
+    return PolicyLoss(loss=loss, sums=sums)
 
 
 def metadata_field(explicit: Any, batch, names: Sequence[str], label: str, required: bool = False):

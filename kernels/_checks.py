@@ -4,31 +4,26 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
+
+from . import host
 
 __all__ = ["sequence_bounds"]
 
 
-#: host copies of cu_seqlens tensors, by tensor, with the version counter they were read at
-_HOST_COPIES = WeakIdKeyDictionary()
-
-
 def _host_bounds(cu_seqlens: torch.Tensor) -> np.ndarray:
-    """``cu_seqlens`` as read-only int64 numpy, read from the device once per tensor and version.
+    """``cu_seqlens`` as read-only int64 numpy, read from the device at most once per tensor and version.
 
     Reading a CUDA tensor on the host waits for every kernel queued before it. A plan's programs
-    pass the same cu_seqlens buffers to every layer, so without this each linear-attention,
-    convolution and attention call of every layer would drain the GPU's queue once.
+    pass the same cu_seqlens buffers to every layer, and those (like every tensor put on the
+    device by :func:`harts.kernels.host.upload`) carry their host copy (:mod:`harts.kernels.host`):
+    they are never read. Other tensors are read once, and their copy recorded.
     """
-    tracked = not cu_seqlens.is_inference()  # inference tensors have no version counter
-    if tracked:
-        cached = _HOST_COPIES.get(cu_seqlens)
-        if cached is not None and cached[0] == cu_seqlens._version:
-            return cached[1]
+    known = host.host_values(cu_seqlens)
+    if known is not None:
+        return known.astype(np.int64, copy=False)
     bounds = cu_seqlens.detach().cpu().numpy().astype(np.int64)
     bounds.flags.writeable = False
-    if tracked:
-        _HOST_COPIES[cu_seqlens] = (cu_seqlens._version, bounds)
+    host.record(cu_seqlens, bounds)
     return bounds
 
 

@@ -32,7 +32,7 @@ import torch
 import torch.fx
 
 from harts.ir.layout import MicrobatchLayout
-from harts.kernels import dispatch
+from harts.kernels import dispatch, host
 from harts.kernels.rows.packed import RowGather, RowScatter, contiguous_span
 from harts.numerics import compact_log_probs
 
@@ -267,7 +267,8 @@ def build_log_prob_program(layout: MicrobatchLayout) -> torch.fx.GraphModule:
     with_entropy = b.graph.placeholder("with_entropy", default_value=False)
     row_chunk = b.graph.placeholder("row_chunk", default_value=None)
     rows, next_rows, _ = log_prob_rows(layout)
-    targets = b.call(torch.index_select, (input_ids, 0, b.buffer("next_token_rows", next_rows)), name="targets")
+    # the targets keep the token ids' host-known range, so the head checks them without a device read
+    targets = b.call(host.index_select, (input_ids, b.buffer("next_token_rows", next_rows)), name="targets")
     result = b.call(
         compact_log_probs,
         (hidden, weight, bias, b.buffer("logit_rows", rows), targets),

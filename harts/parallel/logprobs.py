@@ -26,17 +26,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from harts.numerics import block_logits, checked_head_inputs, compute_dtype, head_backward, row_blocks
+from harts.numerics import block_logits, checked_head_inputs, compute_dtype, head_backward, row_block_bounds, row_blocks
 
 __all__ = ["vocab_parallel_compact_log_probs"]
 
 
 def _row_blocks(rows: torch.Tensor, num_rows: int, row_chunk: int):
-    """Positions sorted by row and where each block of rows starts among them (one host sync)."""
+    """Positions sorted by row and where each block of rows starts among them (from the rows' host copy when
+    they have one, else one host sync: :func:`harts.numerics.row_block_bounds`)."""
     order = torch.argsort(rows, stable=True)
     sorted_rows = rows.index_select(0, order)
-    edges = torch.arange(0, num_rows + row_chunk, row_chunk, device=rows.device)
-    return order, sorted_rows, torch.searchsorted(sorted_rows, edges).tolist()
+    return order, sorted_rows, row_block_bounds(rows, sorted_rows, num_rows, row_chunk)
 
 
 class VocabParallelCompactLogProbs(torch.autograd.Function):

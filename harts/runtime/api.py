@@ -24,6 +24,7 @@ gathering take place.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 
 import attrs
@@ -34,6 +35,7 @@ from torch import nn
 from harts.binding import BoundPlan, ModelLimits, check_routed_experts, check_vocabulary
 from harts.codegen.fx import log_prob_rows
 from harts.errors import ModelInputError, PlanArtifactError, RolloutInputError
+from harts.kernels import host
 from harts.kernels.dispatch import Dispatch
 from harts.kernels.interface import Kernels
 from harts.numerics import compact_log_probs, log_probs_from_logits
@@ -172,7 +174,7 @@ def _forward_with_head(model: nn.Module, input_ids: torch.Tensor, view, recomput
 
 def _log_probs_from_hidden(model, hidden, input_ids, rows, next_rows, with_entropy, row_chunk, temperature=1.0):
     """Compact-to-semantic log-probs of positions whose logit rows are ``rows`` and next tokens sit at ``next_rows``."""
-    targets = input_ids.index_select(0, next_rows)
+    targets = host.index_select(input_ids, next_rows)
     own_head = getattr(model, "head_log_probs", None)
     if own_head is not None:
         # a model that lays out its own LM head (harts.parallel's vocabulary shards) maps rows to positions itself
@@ -214,6 +216,25 @@ def microbatch_log_probs(
                            kernels=kernels, view_type=view_type, temperature=temperature)
 
 
+#: Per bound plan, its microbatches' row tokens and replayed experts on a device: copied once per
+#: binding (:func:`harts.kernels.host.upload`, no wait for the device), then reused by every pass
+#: over it (the no-grad and training passes of a step, its epochs), and dropped with the binding.
+_BOUND_ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _bound_rows(bound: BoundPlan, microbatch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(input ids [C], routed experts [C, L_moe, k] or None) of one microbatch of ``bound`` on ``device``."""
+    per_device = _BOUND_ROWS.setdefault(bound, {})
+    key = (microbatch, str(device))
+    if key not in per_device:
+        routed = bound.row_experts
+        per_device[key] = (
+            host.upload(bound.row_tokens[microbatch], device, torch.long),
+            None if routed is None else host.upload(routed[microbatch], device),
+        )
+    return per_device[key]
+
+
 def _run_microbatch(model, bound: BoundPlan, microbatch: int, *, recompute, with_entropy, row_chunk, kernels, view_type,
                     temperature) -> MicrobatchOutput:
     layout = bound.layout(microbatch)
@@ -221,18 +242,16 @@ def _run_microbatch(model, bound: BoundPlan, microbatch: int, *, recompute, with
     if kernels is None and bound.plan.fast_kernels and device.type == "cuda":
         kernels = _FAST_KERNELS  # compiled for the fast kernels: a fallback to the reference raises
     view = view_type(layout, device=device, kernels=kernels)
-    input_ids = torch.tensor(bound.row_tokens[microbatch], dtype=torch.long, device=device)
-    routed = None
-    if bound.row_experts is not None:
-        routed = torch.tensor(bound.row_experts[microbatch], device=device)
-    rows, next_rows, offsets = log_prob_rows(layout)
+    input_ids, routed = _bound_rows(bound, microbatch, device)
+    rows, next_rows, offsets = RUNTIME_CACHE.get(layout, "log_prob_rows", lambda: log_prob_rows(layout))
 
     def head(network: nn.Module, hidden: torch.Tensor):
         if _has_linear_head(network):
             weight, bias = _head_weights(network, temperature)
             program = RUNTIME_CACHE.program(layout, "log_probs", device)
             return program(hidden, input_ids, weight, bias, with_entropy, row_chunk)
-        rows_t, next_t = (torch.as_tensor(r, device=device) for r in (rows, next_rows))
+        rows_t = RUNTIME_CACHE.tensor(layout, "logit_rows", lambda: rows, device)
+        next_t = RUNTIME_CACHE.tensor(layout, "next_token_rows", lambda: next_rows, device)
         return _log_probs_from_hidden(network, hidden, input_ids, rows_t, next_t, with_entropy, row_chunk, temperature)
 
     (values, entropy), moe = _forward_with_head(model, input_ids, view, recompute, head, routed)
@@ -362,18 +381,19 @@ def microbatch_log_probs_baseline(
     device = next(inner.parameters()).device
     lengths = [len(batch.tokens[i]) for i in members]
     view = BaselineView(lengths, chunk_size, device, kernels=kernels)
-    input_ids = torch.as_tensor(np.concatenate([batch.tokens[i] for i in members]), dtype=torch.long, device=device)
+    input_ids = host.upload(np.concatenate([batch.tokens[i] for i in members]), device, torch.long)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    rows = torch.as_tensor(np.concatenate([s + np.arange(n - 1) for s, n in zip(starts, lengths)]).astype(np.int64), device=device)
+    row_of = np.concatenate([s + np.arange(n - 1) for s, n in zip(starts, lengths)]).astype(np.int64)
+    rows, next_rows = host.upload(row_of, device), host.upload(row_of + 1, device)
     offsets = np.zeros(len(members) + 1, dtype=np.int64)
     np.cumsum([n - 1 for n in lengths], out=offsets[1:])
 
     routed = check_routed_experts(batch, limits, members)
     if routed is not None:
-        routed = torch.as_tensor(np.concatenate([routed[i] for i in members]), device=device)
+        routed = host.upload(np.concatenate([routed[i] for i in members]), device)
 
     def head(network: nn.Module, hidden: torch.Tensor):
-        return _log_probs_from_hidden(network, hidden, input_ids, rows, rows + 1, with_entropy, row_chunk, temperature)
+        return _log_probs_from_hidden(network, hidden, input_ids, rows, next_rows, with_entropy, row_chunk, temperature)
 
     (values, entropy), moe = _forward_with_head(model, input_ids, view, recompute, head, routed)
     return MicrobatchOutput(tuple(members), offsets, values, entropy, moe, int(sum(lengths)))

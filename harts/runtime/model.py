@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from harts.errors import ModelInputError
+from harts.numerics import outside
 from harts.runtime.config import HybridConfig
 from harts.runtime.layers import (
     MLP,
@@ -170,7 +171,8 @@ class HybridModel(nn.Module):
             raise ModelInputError(f"input_ids must be 1-D [C], got shape {tuple(input_ids.shape)}")
         if input_ids.shape[0] != view.num_rows:
             raise ModelInputError(f"input_ids has {input_ids.shape[0]} rows but the view has {view.num_rows}")
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+        # ids the runtime put on the device carry their host copy: checked there, without a device read
+        if input_ids.numel() and outside(input_ids, 0, self.config.vocab_size):
             raise ModelInputError(
                 f"input_ids must lie in [0, {self.config.vocab_size}); got range "
                 f"[{int(input_ids.min())}, {int(input_ids.max())}]"

@@ -41,6 +41,7 @@ from torch import nn
 
 from harts.errors import ModelInputError
 from harts.kernels import dispatch as kernel_dispatch
+from harts.numerics import outside
 from harts.runtime.config import HybridConfig
 from harts.runtime.layers import MLP, compute_dtype
 
@@ -235,7 +236,7 @@ class TopKRouter(nn.Module):
                 f"routed experts must be integer ids of shape [{rows}, {self.top_k}] (rows, top_k); "
                 f"got {routed.dtype} of shape {tuple(routed.shape)}"
             )
-        if routed.numel() and (int(routed.min()) < 0 or int(routed.max()) >= self.num_experts):
+        if routed.numel() and outside(routed, 0, self.num_experts):
             raise ModelInputError(f"routed expert ids must lie in [0, {self.num_experts}); got [{int(routed.min())}, {int(routed.max())}]")
 
 

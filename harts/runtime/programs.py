@@ -13,10 +13,12 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from harts.codegen.fx import build_program
 from harts.ir.layout import MicrobatchLayout
+from harts.kernels import host
 
 __all__ = ["LayoutCache", "RUNTIME_CACHE"]
 
@@ -48,12 +50,33 @@ class LayoutCache:
 
         def build() -> tuple[Any, torch.fx.GraphModule]:
             program = build_program(layout, kind, kernels, **options)
-            return kernels, program if device is None else program.to(device)
+            return kernels, program if device is None else on_device(program, device)
 
         return self.get(layout, key, build)[1]
 
+    def tensor(self, layout: MicrobatchLayout, name: str, values: Callable[[], np.ndarray], device: torch.device | str,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The layout's array ``name`` (built by ``values()``) on ``device``, copied there once and then reused
+        by every view and pass of the layout (:func:`harts.kernels.host.upload`: no wait for the device)."""
+        key = ("tensor", name, str(torch.device(device)), dtype)
+        return self.get(layout, key, lambda: host.upload(values(), device, dtype))
+
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def on_device(program: torch.fx.GraphModule, device: torch.device | str) -> torch.fx.GraphModule:
+    """``program`` with its index buffers on ``device``, each carrying its host copy (:mod:`harts.kernels.host`),
+    so that the checks and kernels that need a buffer's values on the host never read them from the device.
+
+    Each buffer goes by :func:`harts.kernels.host.upload` (pinned, no wait for the device) rather than by
+    ``program.to(device)``, whose copies from pageable memory would each wait: a training step on a new
+    plan builds its programs in its first pass.
+    """
+    for module in program.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            module.register_buffer(name, host.upload(buffer, device))
+    return program
 
 
 #: The process-wide cache the execution views use.

@@ -57,8 +57,10 @@ class TreeView:
         self.kernels = kernels
         self.programs = programs
         self.num_rows = layout.num_rows
-        self.positions = torch.tensor(layout.row_position, dtype=torch.long).to(self.device)
-        self.row_weight = torch.tensor(layout.row_multiplicity).to(self.device, torch.get_default_dtype())
+        # copied to the device once per layout (shared by every view and pass of it), not per view
+        self.positions = programs.tensor(layout, "row_position", lambda: layout.row_position, self.device, torch.long)
+        self.row_weight = programs.tensor(layout, "row_multiplicity", lambda: layout.row_multiplicity, self.device,
+                                          torch.get_default_dtype())
 
     def __repr__(self) -> str:
         layout = self.layout

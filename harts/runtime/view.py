@@ -27,9 +27,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from harts.errors import ModelInputError
+from harts.kernels import host
 from harts.kernels import dispatch as default_kernels
 from harts.kernels.interface import Kernels
 
@@ -101,11 +103,11 @@ class BaselineView:
         self.device = device
         self.kernels = kernels if kernels is not None else default_kernels
         self.num_rows = sum(lengths)
-        length_tensor = torch.tensor(lengths, dtype=torch.long, device=device)
-        self.cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.long, device=device)
-        self.cu_seqlens[1:] = torch.cumsum(length_tensor, 0)
-        starts = torch.repeat_interleave(self.cu_seqlens[:-1], length_tensor)
-        self.positions = torch.arange(self.num_rows, dtype=torch.long, device=device) - starts
+        # built on the host and copied without waiting for the device; the kernels read the offsets' host copy
+        bounds = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=bounds[1:])
+        self.cu_seqlens = host.upload(bounds, device)
+        self.positions = host.upload(np.arange(self.num_rows, dtype=np.int64) - np.repeat(bounds[:-1], lengths), device)
         self.row_weight = torch.ones(self.num_rows, device=device)
 
     def __repr__(self) -> str:

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harts.binding import BoundPlan
+from harts.kernels import host
 from harts.plan import Plan
 from harts.rl import (
     ADVANTAGE_FIELDS,
@@ -422,8 +423,7 @@ class Trainer:
         plan_seconds = 0.0
         if config.mode == "harts" and epoch == 0:
             plan_seconds = float(step.plan.stats.get("plan_seconds") or 0.0)
-        maxes[2:] = torch.tensor([plan_seconds, logprob_seconds, fbgrad_seconds, optimizer_seconds],
-                                 dtype=torch.float64, device=device)
+        maxes[2:] = host.upload(np.array([plan_seconds, logprob_seconds, fbgrad_seconds, optimizer_seconds]), device)
         return self._reduce(step, no_grad, epoch, sums, maxes, grad_norm=grad_norm, lr=lr)
 
     def _reduce(self, step: "_Step", no_grad: "_NoGrad", epoch: int, sums: torch.Tensor, maxes: torch.Tensor, *,
@@ -438,7 +438,7 @@ class Trainer:
     def _microbatch_loss(self, out, batch, config, *, advantages, denominator, old, ref, routed, semantic_tokens):
         """This microbatch's share of the batch loss, and the detached sums behind the metrics."""
         members = list(out.trajectories)
-        cu = torch.as_tensor(out.offsets, dtype=torch.long, device=out.log_probs.device)
+        cu = torch.as_tensor(out.offsets, dtype=torch.long)  # on the host, where the losses read lengths
         loss_mask = _select(batch.loss_mask, members)
         terms = policy_loss(
             out.log_probs, cu_seqlens=cu, advantages=_select(advantages, members), loss_mask=loss_mask,
@@ -448,7 +448,7 @@ class Trainer:
         loss = terms.loss
         parts = {"policy_loss": terms.loss.detach(), **terms.sums}
         if out.entropy is not None:
-            mask = token_metadata(loss_mask, cu, name="loss_mask", device=cu.device, dtype=out.entropy.dtype)
+            mask = token_metadata(loss_mask, cu, name="loss_mask", device=out.entropy.device, dtype=out.entropy.dtype)
             parts["entropy"] = (out.entropy.detach() * mask).sum()
             if config.entropy_coef:
                 loss = loss - config.entropy_coef * reduce_tokens(out.entropy, mask, cu, config.loss_reduction, denominator)
@@ -501,7 +501,10 @@ class Trainer:
         max_norm = float("inf") if config.max_grad_norm is None else config.max_grad_norm
         norm = self._gradient_norm(max_norm)
         # the batch loss over every rank, so that all ranks refuse the same step together
-        loss = float(group.all_reduce(local_loss.detach().clone().reshape(1))[0])
+        loss = group.all_reduce(local_loss.detach().clone().reshape(1))[0]
+        if isinstance(norm, torch.Tensor):  # both read in one wait for the device, the step's only one before its metrics
+            loss, norm = torch.stack([loss, norm.to(loss)]).tolist()
+        loss = float(loss)
         if not (math.isfinite(loss) and math.isfinite(float(norm))):
             self._zero_grad()
             raise NonFiniteStepError(
@@ -524,8 +527,9 @@ class Trainer:
         apply_expert_bias_update(self.module, stats, rate=rate)
 
     def _record(self, epoch, config, sums, maxes, grad_norm, lr, semantic_tokens, moe_layers, *, has_kl, routed):
-        total = dict(zip(_SUMS, sums.tolist()))
-        peak = dict(zip(_MAXES, maxes.tolist()))
+        values = torch.cat([sums, maxes]).tolist()  # the epoch's figures, read from the device in one go
+        total = dict(zip(_SUMS, values[: len(_SUMS)]))
+        peak = dict(zip(_MAXES, values[len(_SUMS):]))
         count = max(total["tokens"], 1.0)
         return {
             "step": self.steps_done + 1,

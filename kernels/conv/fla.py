@@ -16,6 +16,7 @@ import functools
 import numpy as np
 import torch
 
+from .. import host
 from ..fla_setup import configure_fla
 from .naive import check_conv_inputs
 
@@ -41,10 +42,10 @@ def _cached_layout(bounds_bytes: bytes, device: str) -> tuple[torch.Tensor, torc
     blocks = -(-np.diff(bounds) // _BLOCK_ROWS)
     sequence = np.repeat(np.arange(blocks.size, dtype=np.int32), blocks)
     within = np.arange(sequence.size, dtype=np.int32) - np.repeat(np.cumsum(blocks) - blocks, blocks).astype(np.int32)
-    return (
-        torch.as_tensor(bounds.astype(np.int32), device=device),
+    return (  # uploaded from pinned memory: a copy from pageable memory would wait for the GPU
+        host.upload(bounds.astype(np.int32), device),
         torch.as_tensor(bounds.astype(np.int32)),
-        torch.as_tensor(np.stack([sequence, within], axis=1), device=device),
+        host.upload(np.stack([sequence, within], axis=1), device),
     )
 
 

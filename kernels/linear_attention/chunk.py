@@ -42,6 +42,7 @@ import torch
 
 from harts.options import FAST_KERNEL_CHUNK_SIZES
 
+from .. import host
 from ..fla_setup import configure_fla
 from .naive import check_export_chunks, check_linear_attention_inputs
 from .state import MAX_HEAD_DIM, scan_backward, scan_forward
@@ -66,14 +67,13 @@ def _load_fla():
             from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra, chunk_kda_fwd_intra
             from fla.ops.kda.wy_fast import recompute_w_u_fwd
             from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
-            from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
+            from fla.ops.utils import chunk_local_cumsum
             from fla.ops.utils.constant import RCP_LN2
         except ImportError:
             _fla = False
             return None
         _fla = {
             "chunk_local_cumsum": chunk_local_cumsum,
-            "prepare_chunk_indices": prepare_chunk_indices,
             "fwd_intra": chunk_kda_fwd_intra,
             "fwd_o": chunk_gla_fwd_o_gk,
             "recompute_w_u": recompute_w_u_fwd,
@@ -94,14 +94,15 @@ class _CallLayout:
     """Index tensors of one packed call (bounds, chunk size, export requests, device), built once."""
 
     def __init__(self, bounds: np.ndarray, chunk_size: int, requests: list[tuple[int, int]], device: torch.device):
-        fla = _load_fla()
         lengths = np.diff(bounds)
         counts = -(-lengths // chunk_size)
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self.num_chunks = int(offsets[-1])
-        self.cu_seqlens = torch.tensor(bounds, dtype=torch.long, device=device)  # bounds are read-only: copy
-        self.chunk_offsets = torch.as_tensor(offsets, dtype=torch.long, device=device)
-        self.chunk_indices = fla["prepare_chunk_indices"](self.cu_seqlens, chunk_size)
+        # every index tensor is built on the host and uploaded from pinned memory (harts.kernels.host): a copy
+        # from pageable memory, or fla's prepare_chunk_indices (it reads cu_seqlens back), waits for the GPU
+        self.cu_seqlens = host.upload(bounds, device, torch.long)
+        self.chunk_offsets = host.upload(offsets, device)
+        self.chunk_indices = host.upload(chunk_indices(offsets, self.num_chunks), device)
         chunk_export = np.full(self.num_chunks, -1, dtype=np.int32)
         final_export = np.full(len(lengths), -1, dtype=np.int32)
         unique: dict[tuple[int, int], int] = {}
@@ -114,11 +115,18 @@ class _CallLayout:
             else:
                 final_export[sequence] = slot
         self.num_exports = len(unique)
-        self.chunk_export = torch.as_tensor(chunk_export, device=device)
-        self.final_export = torch.as_tensor(final_export, device=device)
+        self.chunk_export = host.upload(chunk_export, device)
+        self.final_export = host.upload(final_export, device)
         # a state requested twice is written once; index_select hands it to both requests
         identity = request_slot == list(range(len(request_slot)))
-        self.request_slot = None if identity else torch.as_tensor(request_slot, dtype=torch.long, device=device)
+        self.request_slot = None if identity else host.upload(np.asarray(request_slot, dtype=np.int64), device)
+
+
+def chunk_indices(chunk_offsets: np.ndarray, num_chunks: int) -> np.ndarray:
+    """fla's ``prepare_chunk_indices`` on the host: [NT, 2] int64 (sequence, chunk within it) per chunk, by
+    fla's formula (the sequence counts the chunks that start one: ``cumsum(within == 0) - 1``)."""
+    within = np.arange(num_chunks, dtype=np.int64) - np.repeat(chunk_offsets[:-1], np.diff(chunk_offsets))
+    return np.stack([np.cumsum(within == 0) - 1, within], axis=1).astype(np.int64)
 
 
 _layouts: OrderedDict = OrderedDict()

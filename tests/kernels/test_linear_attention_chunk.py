@@ -32,6 +32,16 @@ def fla_installed():
         pytest.skip("flash-linear-attention is not installed")
 
 
+def test_the_call_layouts_chunk_indices_are_flas():
+    """The call layout builds fla's chunk table on the host (fla's own reads cu_seqlens back from the GPU)."""
+    from fla.ops.utils import prepare_chunk_indices
+
+    bounds = np.array([0, 5, 5, 70, 200, 264, 265])  # an empty sequence, exact multiples and remainders
+    layout = chunk._CallLayout(bounds, CHUNK, [], torch.device(DEVICE))
+    assert torch.equal(layout.chunk_indices, prepare_chunk_indices(layout.cu_seqlens, CHUNK))
+    assert layout.chunk_indices.device.type == "cuda" and layout.cu_seqlens.tolist() == bounds.tolist()
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.detach().double() - want.detach()).norm() / want.detach().norm().clamp_min(1e-30))
 
