@@ -123,10 +123,11 @@ class _CallLayout:
 
 
 def chunk_indices(chunk_offsets: np.ndarray, num_chunks: int) -> np.ndarray:
-    """fla's ``prepare_chunk_indices`` on the host: [NT, 2] int64 (sequence, chunk within it) per chunk, by
-    fla's formula (the sequence counts the chunks that start one: ``cumsum(within == 0) - 1``)."""
-    within = np.arange(num_chunks, dtype=np.int64) - np.repeat(chunk_offsets[:-1], np.diff(chunk_offsets))
-    return np.stack([np.cumsum(within == 0) - 1, within], axis=1).astype(np.int64)
+    """fla's ``prepare_chunk_indices`` on the host: [NT, 2] int64 (sequence, chunk within it) per chunk, as
+    fla 0.6's segmented arange numbers them (an empty sequence keeps its number and owns no chunk)."""
+    counts = np.diff(chunk_offsets)
+    within = np.arange(num_chunks, dtype=np.int64) - np.repeat(chunk_offsets[:-1], counts)
+    return np.stack([np.repeat(np.arange(counts.size, dtype=np.int64), counts), within], axis=1)
 
 
 _layouts: OrderedDict = OrderedDict()

@@ -271,10 +271,11 @@ def test_policy_loss_metrics_are_the_sums_over_the_masked_tokens():
 @given(lengths=st.lists(st.integers(0, 200), min_size=1, max_size=8).filter(lambda n: sum(n) > 0),
        chunk_size=st.sampled_from([32, 64]))
 def test_the_chunk_table_is_flas_formula(lengths, chunk_size):
-    """``chunk_indices`` against fla 0.6's ``prepare_chunk_indices`` (fla.ops.utils.index), transcribed: the GPU
-    test in tests/kernels/test_linear_attention_chunk.py compares it with fla itself."""
+    """``chunk_indices`` against fla 0.6's ``prepare_chunk_indices`` (fla.ops.utils.index: a segmented arange,
+    so an empty sequence keeps its number), transcribed: the GPU test in
+    tests/kernels/test_linear_attention_chunk.py compares it with fla itself."""
     counts = [-(-n // chunk_size) for n in lengths]
     within = torch.cat([torch.arange(n) for n in counts])
-    want = torch.stack([within.eq(0).cumsum(0) - 1, within], 1)
+    want = torch.stack([torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)), within], 1)
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     assert torch.equal(torch.from_numpy(chunk_indices(offsets, int(offsets[-1]))), want)
