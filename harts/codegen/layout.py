@@ -28,6 +28,7 @@ from harts.ir.layout import (
     state_handoffs,
 )
 from harts.ir.nodes import Module, Phase
+from harts.threads import map_in_order
 
 __all__ = [
     "ARRAY_FIELDS",
@@ -141,5 +142,11 @@ def _ancestor_rows(owner: np.ndarray, path_nodes: np.ndarray, node_row: np.ndarr
 
 
 def lay_out(module: Module) -> LaidOutModule:
-    """The ``laid_out`` phase of a verified rounded module: one layout per microbatch, in order."""
-    return LaidOutModule(module=module, layouts=tuple(build_layout(module, mb.index) for mb in module.microbatches))
+    """The ``laid_out`` phase of a verified rounded module: one layout per microbatch, in order.
+
+    Microbatches are laid out independently (each the same as laid out alone), in threads
+    (:func:`harts.threads.map_in_order`).
+    """
+    module.trie.node_arrays()  # built (and cached on the trie) once, before the threads read it
+    layouts = map_in_order(lambda mb: build_layout(module, mb.index), module.microbatches, name="lay-out")
+    return LaidOutModule(module=module, layouts=tuple(layouts))
