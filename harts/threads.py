@@ -1,8 +1,9 @@
 """Work on independent microbatches in threads, for the compile-time passes and verifiers.
 
-Laying a microbatch out and checking its layout are whole-array numpy operations over its rows
-and tokens, which release the GIL, so on a machine of several cores threads do several
-microbatches at once. Results come back in input order and the first failure, in input order,
+Laying a microbatch out is whole-array numpy operations over its rows and tokens, which release
+the GIL, so on a machine of several cores threads lay several microbatches out at once (when
+microbatches are large: for small ones the Python between those operations, which holds the
+GIL, is most of the time, and threads only contend for it). Results come back in input order and the first failure, in input order,
 is the one raised: the outcome is the one of a plain loop.
 """
 
@@ -24,9 +25,10 @@ def thread_count(items: int) -> int:
     return max(1, min(MAX_THREADS, os.cpu_count() or 1, items))
 
 
-def map_in_order(function: Callable[[Item], Result], items: Sequence[Item], *, name: str) -> list[Result]:
-    """``[function(item) for item in items]``, the items spread over threads (none when there is one core or item)."""
-    threads = thread_count(len(items))
+def map_in_order(function: Callable[[Item], Result], items: Sequence[Item], *, name: str, threaded: bool = True) -> list[Result]:
+    """``[function(item) for item in items]``, the items spread over threads (none when there is one core or item,
+    or when not ``threaded``)."""
+    threads = thread_count(len(items)) if threaded else 1
     if threads == 1:
         return [function(item) for item in items]
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"harts-{name}") as pool:

@@ -28,14 +28,12 @@ ancestor rows) are checked microbatch by microbatch, to avoid copying them end t
 from __future__ import annotations
 
 import itertools
-import threading
 
 import numpy as np
 
 from harts.ir.layout import ARRAY_FIELDS, LaidOutModule, MicrobatchLayout, concatenated_ranges, offsets_of
 from harts.ir.nodes import Module, Phase
 from harts.ir.verify_common import fail
-from harts.threads import map_in_order
 
 #: arrays with one entry per row, semantic token or ancestor position: checked per microbatch, never concatenated
 _TOKEN_FIELDS = ("trajectory_rows", "ancestor_rows", "row_trajectory", "row_position", "row_multiplicity")
@@ -89,24 +87,20 @@ def _grouped_offsets(lengths: np.ndarray, counts: np.ndarray) -> tuple[np.ndarra
 
 
 def _check_headers(module: Module, layouts: tuple) -> None:
-    # each layout in a thread; the first failure in microbatch order is the one raised
-    map_in_order(lambda pair: _check_header(*pair, module.chunk_size), list(zip(module.microbatches, layouts)), name="verify-layout")
-
-
-def _check_header(microbatch, layout, chunk_size: int) -> None:
-    where = f"microbatch {microbatch.index}"
-    if not isinstance(layout, MicrobatchLayout):
-        fail(f"{where}: expected a MicrobatchLayout, got {type(layout).__name__}")
-    problem = layout.structure_problem()
-    if problem is not None:
-        fail(f"{where}: layout: {problem}")
-    if (layout.microbatch, layout.chunk_size) != (microbatch.index, chunk_size):
-        fail(
-            f"{where}: the layout is of microbatch {layout.microbatch} at chunk size {layout.chunk_size}, "
-            f"expected microbatch {microbatch.index} at chunk size {chunk_size}"
-        )
-    if layout.num_rows != microbatch.work:
-        fail(f"{where}: the layout has {layout.num_rows} rows but the microbatch's work is {microbatch.work}")
+    for microbatch, layout in zip(module.microbatches, layouts):
+        where = f"microbatch {microbatch.index}"
+        if not isinstance(layout, MicrobatchLayout):
+            fail(f"{where}: expected a MicrobatchLayout, got {type(layout).__name__}")
+        problem = layout.structure_problem()
+        if problem is not None:
+            fail(f"{where}: layout: {problem}")
+        if (layout.microbatch, layout.chunk_size) != (microbatch.index, module.chunk_size):
+            fail(
+                f"{where}: the layout is of microbatch {layout.microbatch} at chunk size {layout.chunk_size}, "
+                f"expected microbatch {microbatch.index} at chunk size {module.chunk_size}"
+            )
+        if layout.num_rows != microbatch.work:
+            fail(f"{where}: the layout has {layout.num_rows} rows but the microbatch's work is {microbatch.work}")
 
 
 class _Rounds:
@@ -236,47 +230,31 @@ def _check_map(flat: _Flat, module: Module, rounds: _Rounds) -> None:
     """
     paths = _Paths(module, rounds)
     pieces = _Pieces(paths, rounds)
+    first_layout_row = np.full(len(module.trie.nodes), -1, dtype=np.int64)
+    members_through = np.zeros(len(module.trie.nodes), dtype=np.int64)
     sequence_bounds = offsets_of(rounds.sequence_counts)
-    scratch = threading.local()
-    node_count = len(module.trie.nodes)
-
-    def check(k: int, layout: MicrobatchLayout) -> None:
-        if not hasattr(scratch, "first_layout_row"):
-            # per thread, reset after each microbatch: the next microbatch must not see this one's rows
-            scratch.first_layout_row = np.full(node_count, -1, dtype=np.int64)
-            scratch.members_through = np.zeros(node_count, dtype=np.int64)
-        _check_microbatch_map(k, layout, paths, pieces, sequence_bounds, scratch.first_layout_row, scratch.members_through)
-
-    # microbatches are checked in threads; the first failure in microbatch order is the one raised
-    map_in_order(lambda item: check(*item), list(enumerate(flat.layouts)), name="verify-layout")
-
-
-def _check_microbatch_map(k: int, layout: MicrobatchLayout, paths: _Paths, pieces: _Pieces, sequence_bounds: np.ndarray,
-                          first_layout_row: np.ndarray, members_through: np.ndarray) -> None:
-    """:func:`_check_map` for microbatch ``k``; ``first_layout_row`` (all -1) and ``members_through`` (all 0) are
-    scratch arrays over the trie's nodes, left as they were found."""
-    piece_nodes = pieces.node[pieces.bounds[k]:pieces.bounds[k + 1]]
-    piece_rows = pieces.row[pieces.bounds[k]:pieces.bounds[k + 1]]
-    first_layout_row[piece_nodes] = piece_rows - (pieces.prefix[pieces.bounds[k]:pieces.bounds[k + 1]] - paths.row[piece_nodes])
-    nodes = paths.node[paths.bounds[k]:paths.bounds[k + 1]]
-    tokens = paths.token[paths.bounds[k]:paths.bounds[k + 1]] - paths.token_bounds[k]
-    runs = first_layout_row[nodes]
-    first_layout_row[piece_nodes] = -1
-    rows = layout.trajectory_rows
-    wrong = _wrong_run_entry(rows, tokens, runs, 1)
-    if wrong is not None:
-        entry = wrong[0]
-        member = int(np.searchsorted(layout.trajectory_offsets, entry, side="right")) - 1
-        fail(
-            f"microbatch {k}: trajectory {int(layout.trajectories[member])}, position "
-            f"{entry - int(layout.trajectory_offsets[member])} maps to layout row {int(rows[entry])}, which holds another token prefix"
-        )
-    np.add.at(members_through, nodes, 1)
-    through = members_through[piece_nodes]
-    members_through[nodes] = 0
-    _check_runs(k, "row_multiplicity", layout.row_multiplicity, piece_rows, through, 0)
-    own_start = paths.sequence_member_start[sequence_bounds[k]:sequence_bounds[k + 1]] - paths.token_bounds[k]
-    _check_ancestors(k, layout, own_start)
+    for k, layout in enumerate(flat.layouts):
+        piece_nodes = pieces.node[pieces.bounds[k]:pieces.bounds[k + 1]]
+        piece_rows = pieces.row[pieces.bounds[k]:pieces.bounds[k + 1]]
+        first_layout_row[piece_nodes] = piece_rows - (pieces.prefix[pieces.bounds[k]:pieces.bounds[k + 1]] - paths.row[piece_nodes])
+        nodes = paths.node[paths.bounds[k]:paths.bounds[k + 1]]
+        tokens = paths.token[paths.bounds[k]:paths.bounds[k + 1]] - paths.token_bounds[k]
+        runs = first_layout_row[nodes]
+        rows = layout.trajectory_rows
+        wrong = _wrong_run_entry(rows, tokens, runs, 1)
+        if wrong is not None:
+            entry = wrong[0]
+            member = int(np.searchsorted(layout.trajectory_offsets, entry, side="right")) - 1
+            fail(
+                f"microbatch {k}: trajectory {int(layout.trajectories[member])}, position "
+                f"{entry - int(layout.trajectory_offsets[member])} maps to layout row {int(rows[entry])}, which holds another token prefix"
+            )
+        np.add.at(members_through, nodes, 1)
+        _check_runs(k, "row_multiplicity", layout.row_multiplicity, piece_rows, members_through[piece_nodes], 0)
+        members_through[nodes] = 0
+        first_layout_row[piece_nodes] = -1  # the next microbatch must not see this one's rows
+        own_start = paths.sequence_member_start[sequence_bounds[k]:sequence_bounds[k + 1]] - paths.token_bounds[k]
+        _check_ancestors(k, layout, own_start)
 
 
 def _check_ancestors(k: int, layout: MicrobatchLayout, own_start: np.ndarray) -> None:
