@@ -27,7 +27,7 @@ import attrs
 from harts.rollouts.batch import RolloutBatch
 from harts.errors import PipelineError
 from harts.ir.layout import LaidOutModule
-from harts.ir.nodes import Module, Phase
+from harts.ir.nodes import CompactTrie, Module, Phase
 from harts.ir.text import print_ir
 from harts.options import DEFAULT_OPTIONS, CompileOptions
 
@@ -113,11 +113,17 @@ def _to_text(value: Any) -> str:
 @attrs.define
 class PassContext:
     """What a pass may read besides the IR: the batch (tokens live there), the compile
-    options (``lower`` records them in the IR) and a progress hook."""
+    options (``lower`` records them in the IR) and a progress hook.
+
+    ``batch_trie``: the compact trie of ``batch.tokens``, when it was built before the pipeline ran
+    (``harts.compile`` builds it while the batch hashes in another thread); ``prefix-compress``
+    takes it instead of building the same trie again.
+    """
 
     batch: RolloutBatch | None = None
     options: CompileOptions = DEFAULT_OPTIONS
     progress: Callable[[str, float], None] | None = None
+    batch_trie: CompactTrie | None = None
 
     def report(self, what: str, fraction: float) -> None:
         if self.progress is not None:

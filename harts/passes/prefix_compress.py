@@ -93,5 +93,5 @@ class PrefixCompress(Pass):
         batch = ctx.batch
         if batch is None or batch.input_hash() != module.input_hash:
             raise PipelineError("prefix-compress needs the rollout batch the module was lowered from (input hash differs)")
-        trie = build_compact_trie(batch.tokens)
+        trie = ctx.batch_trie if ctx.batch_trie is not None else build_compact_trie(batch.tokens)
         return attrs.evolve(module, phase=Phase.COMPRESSED, trie=trie)

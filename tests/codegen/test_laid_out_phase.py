@@ -149,3 +149,17 @@ def test_a_row_outside_the_layout_is_named_by_the_verifier_and_by_loading(name, 
             verify(LaidOutModule(module=stage.module, layouts=(broken,)))
         with pytest.raises(PlanArtifactError, match=re.escape(f"{name} holds a row outside")):
             MicrobatchLayout.from_tensors(broken.to_tensors())
+
+
+@settings(max_examples=15, deadline=None)
+@given(laid_out_plans(max_trajectories=10))
+def test_microbatches_laid_out_in_threads_are_the_ones_laid_out_one_by_one(plan):
+    import harts.codegen.layout as codegen_layout
+    import harts.threads
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(codegen_layout, "THREADED_TOKENS_PER_MICROBATCH", 0)  # every plan is laid out in threads
+        patch.setattr(harts.threads.os, "cpu_count", lambda: 4)
+        threaded = lay_out(plan.module)
+    assert threaded.layouts == tuple(build_layout(plan.module, mb.index) for mb in plan.module.microbatches)
+    verify(threaded)

@@ -6,6 +6,8 @@ import io
 
 import attrs
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import harts
 from harts.errors import IRVerificationError, PipelineError
@@ -13,6 +15,7 @@ from harts.ir.nodes import Module, Phase
 from harts.passes import PASS_REGISTRY, Pass, PassContext, PassRegistry, lower, option, parse_pipeline, pipeline_to_text
 from harts.passes.base import PASS_NAME
 from harts.passes.manager import DumpIR, PrintIRAfter, TimePasses, instruments_from_environment, run_pipeline
+from tests.helpers import token_trees
 
 
 @attrs.frozen
@@ -149,3 +152,20 @@ def test_bad_compile_options_are_named():
         harts.compile(small_batch(), capacity=0, pipeline="prefix-compress")
     with pytest.raises(PipelineError, match="expects a RolloutBatch"):
         harts.compile([[1, 2]], pipeline="prefix-compress")
+
+
+@settings(max_examples=20, deadline=None)
+@given(trajectories=token_trees(chunk_size=4, max_trajectories=10, max_length=30), tight=st.booleans())
+def test_compile_hashing_beside_the_trie_gives_the_plan_of_the_passes_run_one_by_one(trajectories, tight):
+    """harts.compile hashes the batch in a worker thread while it builds the trie prefix-compress takes from the
+    context: the plan (every stage, the input hash included) is the one the passes build on their own."""
+    # the longest trajectory's length: every trajectory fits alone, so a plan exists, of several microbatches
+    capacity, dp_size = (max(len(t) for t in trajectories), 1) if tight else (1 << 20, 2 if len(trajectories) > 1 else 1)
+    batch = harts.RolloutBatch.from_trajectories(trajectories)
+    fresh = harts.RolloutBatch.from_trajectories(trajectories)  # nothing cached: the hash is computed on its own
+    plan = harts.compile(batch, capacity=capacity, dp_size=dp_size, chunk_size=4)
+    one_by_one = run_pipeline(None, parse_pipeline(harts.compiler.default_pipeline_text()),
+                              PassContext(batch=fresh, options=harts.CompileOptions(capacity=capacity, dp_size=dp_size, chunk_size=4)))
+    assert plan.module.input_hash == fresh.input_hash() == batch.input_hash()
+    assert plan.module == one_by_one.module
+    assert plan.layouts == one_by_one.layouts
