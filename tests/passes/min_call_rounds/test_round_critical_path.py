@@ -62,7 +62,7 @@ def chunk_boundary_trees():
 @given(chunk_boundary_trees())
 def test_never_longer_than_first_fit_and_as_short_as_brute_force_allows(tree):
     parents, starts, ends, chunk = tree
-    plan = plan_forest(parents, starts, ends, chunk)
+    plan = plan_forest(parents, starts, ends, chunk, shorten_critical_path=True)
     check_plan_follows_the_contract(parents, starts, ends, chunk, plan)
     old = first_fit_steps(parents, starts, ends, chunk)
     assert plan.num_rounds == len(old), "the fewest calls are kept"
@@ -86,7 +86,7 @@ def test_forests_of_several_trees(trees):
         parents += [p + offset if p >= 0 else -1 for p in tree_parents]
         starts += tree_starts
         ends += tree_ends
-    plan = plan_forest(parents, starts, ends, chunk)
+    plan = plan_forest(parents, starts, ends, chunk, shorten_critical_path=True)
     check_plan_follows_the_contract(parents, starts, ends, chunk, plan)
     assert plan.critical_path <= sum(first_fit_steps(parents, starts, ends, chunk))
     assert plan.num_rounds == len(first_fit_steps(parents, starts, ends, chunk))
@@ -97,7 +97,7 @@ def test_short_continuation_lets_the_two_long_branches_share_a_round():
     # v0 = [0, 5) crosses S_4, so side branches wait a round; v1 and v3 are long, v2 is short.
     parents, starts, ends = [-1, 0, 0, 0], [0, 5, 5, 5], [5, 40, 6, 38]
     assert first_fit_steps(parents, starts, ends, b) == (10, 9)  # v1 continues; v3 alone in round 1
-    plan = plan_forest(parents, starts, ends, b)
+    plan = plan_forest(parents, starts, ends, b, shorten_critical_path=True)
     assert plan.direct_child[0] == 2
     assert plan.round_chunk_steps == (2, 9) and plan.critical_path == 11
     assert brute_force_critical_path(parents, starts, ends, b) == (2, 11)
@@ -108,7 +108,7 @@ def test_ties_keep_the_first_fit_plan():
     parents = [-1, 0, 0, 1, 1]  # Figure 2: both continuations of v1 take 3 chunk steps
     starts = [0, b - 1, b - 1, b + 1, b + 1]
     ends = [b - 1, b + 1, b + 20, b + 30, b + 5]
-    plan = plan_forest(parents, starts, ends, b)
+    plan = plan_forest(parents, starts, ends, b, shorten_critical_path=True)
     assert plan.direct_child == (1, 3, -1, -1, -1)
     assert plan.critical_path == sum(first_fit_steps(parents, starts, ends, b)) == 3
 
@@ -128,14 +128,14 @@ def test_metric_of_microbatches_and_layouts(case):
     chunk, token_lists = case
     batch, module = scheduled_module(token_lists, chunk)
     ctx = PassContext(batch=batch)
-    module = MinCallRounds().run(SegmentPass().run(module, ctx), ctx)
+    module = MinCallRounds(shorten_critical_path=True).run(SegmentPass().run(module, ctx), ctx)
     verify(module)
     (microbatch,) = module.microbatches
     segments = microbatch.segments
     forest = ([s.parent for s in segments], [s.start for s in segments], [s.end for s in segments])
-    assert round_critical_path(microbatch, chunk) == plan_forest(*forest, chunk).round_chunk_steps
-    # The option keeps the paper's rule; both plans verify and keep the rounds and R.
-    plain = MinCallRounds(shorten_critical_path=False).run(SegmentPass().run(scheduled_module(token_lists, chunk)[1], ctx), ctx)
+    assert round_critical_path(microbatch, chunk) == plan_forest(*forest, chunk, shorten_critical_path=True).round_chunk_steps
+    # The default keeps the paper's rule; both plans verify and keep the rounds and R.
+    plain = MinCallRounds().run(SegmentPass().run(scheduled_module(token_lists, chunk)[1], ctx), ctx)
     verify(plain)
     (plain_microbatch,) = plain.microbatches
     assert round_critical_path(plain_microbatch, chunk) == first_fit_steps(*forest, chunk)
