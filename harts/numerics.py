@@ -70,9 +70,12 @@ def _head_in(dtype, weight, bias):
     return weight.to(dtype), (None if bias is None else bias.to(dtype))
 
 
-def _row_statistics(logits: torch.Tensor):
-    """The row lse / entropy function for this block: the Triton kernel for fp32 blocks on CUDA, else torch ops."""
-    return softmax_kernels.row_lse_entropy if softmax_kernels.available(logits) else softmax_reference.row_lse_entropy
+def _softmax_ops(logits: torch.Tensor):
+    """(row lse / entropy, logits' gradient) for this block: the Triton kernels (the gradient written over the
+    logits) for fp32 blocks on CUDA, else the torch ops of the reference; both take the same arguments."""
+    if softmax_kernels.available(logits):
+        return softmax_kernels.row_lse_entropy, softmax_kernels.softmax_backward_
+    return softmax_reference.row_lse_entropy, softmax_reference.softmax_backward
 
 
 def row_blocks(num_rows: int, row_chunk: int):
@@ -114,7 +117,7 @@ class CompactLogProbs(torch.autograd.Function):
         head_weight, head_bias = _head_in(dtype, weight, bias)
         for block, (start, end) in enumerate(row_blocks(num_rows, row_chunk)):
             logits = block_logits(hidden[start:end], head_weight, head_bias, dtype)  # [b, V]
-            block_lse, block_entropy = _row_statistics(logits)(logits, with_entropy)
+            block_lse, block_entropy = _softmax_ops(logits)[0](logits, with_entropy)
             lse[start:end] = block_lse
             if with_entropy:
                 entropy_rows[start:end] = block_entropy
@@ -177,15 +180,8 @@ def head_backward(hidden, weight, bias, needs, *, rows, lse, grad_log_probs, gra
         logits = block_logits(block_hidden, head_weight, head_bias, dtype)
         block_entropy_grad = None if entropy_grad is None else entropy_grad[start:end]
         block_expected = None if expected is None else expected[start:end]
-        if softmax_kernels.available(logits):
-            if block_entropy_grad is not None and block_expected is None:
-                block_lse, block_entropy = softmax_kernels.row_lse_entropy(logits, True)
-                block_expected = block_lse - block_entropy
-            grad_logits = softmax_kernels.softmax_backward_(logits, lse[start:end], row_grad[start:end], block_entropy_grad,
-                                                            block_expected)
-        else:
-            grad_logits = softmax_reference.softmax_backward(logits, lse[start:end], row_grad[start:end], block_entropy_grad,
-                                                             block_expected)
+        softmax_backward = _softmax_ops(logits)[1]
+        grad_logits = softmax_backward(logits, lse[start:end], row_grad[start:end], block_entropy_grad, block_expected)
         del logits
         first, last = bounds[block], bounds[block + 1]
         if grad_log_probs is not None and last > first:

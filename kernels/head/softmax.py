@@ -90,12 +90,13 @@ def row_lse_entropy(logits: torch.Tensor, with_entropy: bool) -> tuple[torch.Ten
 
 def softmax_backward_(logits: torch.Tensor, lse: torch.Tensor, row_grad: torch.Tensor,
                       entropy_grad: torch.Tensor | None, expected: torch.Tensor | None) -> torch.Tensor:
-    """Overwrite ``logits`` [b, V] fp32 with their gradient (see :func:`.naive.softmax_backward`) and return it.
-    ``expected`` (E_p[z] per row) is required with ``entropy_grad``."""
+    """Overwrite ``logits`` [b, V] fp32 with their gradient (see :func:`.naive.softmax_backward`) and return it;
+    ``expected`` [b] is E_p[z] (None: from these logits, by :func:`row_lse_entropy`, before they are overwritten)."""
     rows, width = logits.shape
     has_entropy = entropy_grad is not None
     if has_entropy and expected is None:
-        raise ValueError("softmax_backward_: the entropy's gradient needs E_p[z] per row (expected)")
+        block_lse, block_entropy = row_lse_entropy(logits, True)
+        expected = block_lse - block_entropy
     if rows:
         block = min(BACKWARD_BLOCK, triton.next_power_of_2(width))
         grid = (rows, triton.cdiv(width, block))
