@@ -120,8 +120,7 @@ def host_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor:
     cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.long)
     if cu_seqlens.device.type == "cpu":
         return cu_seqlens
-    known = host.host_values(cu_seqlens)
-    return torch.tensor(known, dtype=torch.long) if known is not None else cu_seqlens.cpu()
+    return torch.tensor(host.read(cu_seqlens), dtype=torch.long)
 
 
 def _device_scalar(value: Any, device, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["cached", "host_values", "index_select", "record", "record_range", "upload", "value_range"]
+__all__ = ["cached", "host_values", "index_select", "read", "record", "record_range", "upload", "value_range"]
 
 
 class _Entry:
@@ -106,6 +106,18 @@ def host_values(tensor: torch.Tensor) -> np.ndarray | None:
     """The recorded host copy of ``tensor`` (None when there is none, or the tensor changed since)."""
     entry = _entry(tensor)
     return None if entry is None else entry.values
+
+
+def read(tensor: torch.Tensor) -> np.ndarray:
+    """``tensor``'s values on the host, read-only: its recorded host copy, else read from the device (a wait for
+    the queue) and recorded, so that the next read of the same tensor and version does not wait."""
+    known = host_values(tensor)
+    if known is not None:
+        return known
+    values = tensor.detach().cpu().numpy().copy()  # never memory a tensor write could change
+    values.flags.writeable = False
+    record(tensor, values)
+    return values
 
 
 def value_range(tensor: torch.Tensor) -> tuple[Any, Any] | None:

@@ -359,8 +359,7 @@ class SequenceAtATime(Dispatch):
     def chunk_linear_attention(self, q, k, v, log_decay, beta, cu_seqlens, *, chunk_size, scale,
                                initial_state=None, export_chunks=None):
         # the program's offsets carry their host copy: read there, as HARTS' own call reads them (no device read)
-        known = host.host_values(cu_seqlens)
-        bounds = known.tolist() if known is not None else cu_seqlens.tolist()
+        bounds = host.read(cu_seqlens).tolist()
         sizes = np.diff(bounds).tolist()
         # one split per input: its backward is one concatenation, where a slice per sequence would
         # materialise a full-size zero gradient per sequence and charge that to the ablation

@@ -18,6 +18,7 @@ import torch
 
 from .. import host
 from ..fla_setup import configure_fla
+from ..linear_attention.chunk import chunk_indices
 from .naive import check_conv_inputs
 
 __all__ = ["causal_conv1d", "fla_conv_available"]
@@ -39,13 +40,12 @@ _BLOCK_ROWS = 64
 @functools.lru_cache(maxsize=64)
 def _cached_layout(bounds_bytes: bytes, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     bounds = np.frombuffer(bounds_bytes, dtype=np.int64)
-    blocks = -(-np.diff(bounds) // _BLOCK_ROWS)
-    sequence = np.repeat(np.arange(blocks.size, dtype=np.int32), blocks)
-    within = np.arange(sequence.size, dtype=np.int32) - np.repeat(np.cumsum(blocks) - blocks, blocks).astype(np.int32)
+    block_offsets = np.concatenate([[0], np.cumsum(-(-np.diff(bounds) // _BLOCK_ROWS))]).astype(np.int64)
+    table = chunk_indices(block_offsets, int(block_offsets[-1])).astype(np.int32)  # the same table as the KDA calls'
     return (  # uploaded from pinned memory: a copy from pageable memory would wait for the GPU
         host.upload(bounds.astype(np.int32), device),
         torch.as_tensor(bounds.astype(np.int32)),
-        host.upload(np.stack([sequence, within], axis=1), device),
+        host.upload(table, device),
     )
 
 
