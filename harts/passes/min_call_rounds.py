@@ -23,7 +23,8 @@ budget and leaves every other child within the side-branch budget (the paper's r
 
 Critical path. Many plans share that fewest number of rounds (and R); they differ in how
 long each round's state scan runs, which is its longest sequence in chunks. The paper's rule
-ignores that, so :func:`plan_forest` also recovers plans under per-round caps on the longest
+ignores that; with ``shorten_critical_path`` (off by default: it costs a search per
+microbatch) :func:`plan_forest` also recovers plans under per-round caps on the longest
 sequence (:mod:`harts.passes.round_critical_path`) and keeps the one with the fewest serial
 chunk steps, the first-fit plan on ties. Only the choice of continuations changes: every
 plan follows the execution model above.
@@ -49,7 +50,13 @@ from harts.ir.nodes import InputSequence, Microbatch, Module, Phase, Round, Stat
 from harts.ir.verify_rounds import mandatory_replay  # noqa: F401 - R (Eq. 15) of the forests planned here
 from harts.passes.base import Pass, PassContext, option
 from harts.passes.registry import builtin_pass
-from harts.passes.round_critical_path import continuation_ends, round_chunk_steps, shortest_round_caps, side_launch
+from harts.passes.round_critical_path import (
+    continuation_ends,
+    round_chunk_steps,
+    shortest_round_caps,
+    side_branches_fit,
+    side_launch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -197,10 +204,7 @@ def shortest_chain(caps: Sequence[int], least: Sequence[Sequence[tuple[float, fl
 
     def choose(segment: int, kids: Sequence[int], same: bool, budget: int, round_index: int) -> int:
         _, side_round, replay_chunk = side_launch(starts[segment], ends[segment], same, round_index, chunk_size)
-        if side_round < len(caps):
-            fits = [least[child][side_round][1] <= caps[side_round] + replay_chunk for child in kids]
-        else:
-            fits = [False] * len(kids)
+        fits = side_branches_fit(least, kids, side_round, replay_chunk, caps)
         misfits = fits.count(False)
         chosen, chosen_end = -1, math.inf
         for child, fit in zip(kids, fits):
@@ -262,10 +266,10 @@ def plan_forest(parents: Sequence[int], starts: Sequence[int], ends: Sequence[in
     """Algorithm 1 on a segment forest; trees are solved separately and share round numbers.
 
     ``parents[v]`` is -1 for a root; children are taken in ascending id order (the fixed
-    order recovery scans). Rounds are numbered from 0. Among the plans with the fewest rounds,
-    the first-fit recovery's and those meeting :func:`shortest_round_caps`, the one with the
-    fewest serial chunk steps wins (the first-fit plan on ties). ``shorten_critical_path=False``
-    keeps the first-fit plan (the paper's rule, and a cheaper plan).
+    order recovery scans). Rounds are numbered from 0. By default the first-fit recovery's plan
+    (the paper's rule); with ``shorten_critical_path``, among it and the plans meeting
+    :func:`shortest_round_caps` (all with the fewest rounds), the one with the fewest serial chunk
+    steps (the first-fit plan on ties).
     """
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise PlanningError(f"chunk size must be a positive integer, got {chunk_size!r}")

@@ -41,6 +41,7 @@ import numpy as np
 from harts.ir.layout import MicrobatchLayout
 from harts.ir.nodes import Microbatch
 
+
 def round_chunk_steps(rounds: Sequence[int], replay_starts: Sequence[int], ends: Sequence[int], chunk_size: int) -> tuple[int, ...]:
     """Per round (0..max), the chunk steps of its longest sequence; one entry per sequence in the inputs."""
     count = max(rounds, default=-1) + 1
@@ -114,14 +115,19 @@ def continuation_ends(children: Sequence[Sequence[int]], top_down: Sequence[int]
     return least
 
 
+def side_branches_fit(least, kids: Sequence[int], side_round: int, replay_chunk: int, caps: Sequence[float]) -> list[bool]:
+    """Per child: whether its subtree, launched as a side branch in ``side_round`` replaying from chunk
+    ``replay_chunk``, can end within that round's cap (never, past the last capped round)."""
+    if side_round >= len(caps):
+        return [False] * len(kids)
+    limit = caps[side_round] + replay_chunk
+    return [least[child][side_round][1] <= limit for child in kids]
+
+
 def _least_chain_end(least, kids: Sequence[int], round_index: int, side_round: int, replay_chunk: int, same: bool,
                      caps: Sequence[float]) -> float:
     """The earliest chain end over the children that can continue, side branches launching in ``side_round``."""
-    if side_round < len(caps):
-        limit = caps[side_round] + replay_chunk
-        fits = [least[child][side_round][1] <= limit for child in kids]
-    else:
-        fits = [False] * len(kids)
+    fits = side_branches_fit(least, kids, side_round, replay_chunk, caps)
     misfits = fits.count(False)
     if misfits > 1:
         return math.inf
