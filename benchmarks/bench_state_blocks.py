@@ -2,11 +2,12 @@
 
 For each round of the headline plan (the bench's SWE-like workload near a target compression),
 times the forward and reverse state scans of :mod:`harts.kernels.linear_attention.state` at
-value-column blocks 64, 32 and 16 on random bf16 inputs of the model's shape, checks that every
+value-column blocks 64, 32 and 16 (and each ``--launch`` of warps and pipeline stages) on random bf16 inputs of the model's shape, checks that every
 block gives bit-identical results, and prints the block ``_launch_shape`` picks. The numbers
 behind the block rule in ``_launch_shape`` (benchmarks/RESULTS.md, sixth session).
 
     python benchmarks/bench_state_blocks.py --tokens 200000 --scale 0.25 --target-compression 5.6
+    python benchmarks/bench_state_blocks.py --launch 4,2 --launch 8,2 --launch 2,2 --launch 4,3
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ def main(argv=None) -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--vocab-size", type=int, default=157184)
+    parser.add_argument("--launch", dest="launches", action="append", default=None, metavar="WARPS,STAGES",
+                        help="a (num_warps, num_stages) launch to time beside each block (repeatable; default 4,2)")
     args = parser.parse_args(argv)
+    args.launches = [tuple(int(n) for n in launch.split(",")) for launch in (args.launches or ["4,2"])]
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark times Triton kernels: it needs a CUDA GPU")
     import triton
@@ -65,19 +69,21 @@ def main(argv=None) -> None:
                 f"picked {picked[0]} / {picked[1]}"]
         reference = None
         for block in (64, 32, 16):
-            def forward():
-                return state.scan_forward(kg, w, u, gk, h0, cu, co, None, None, 0, chunk,
-                                          num_chunks=num_chunks, block_v=block)
+            for warps, stages in args.launches:
+                def forward():
+                    return state.scan_forward(kg, w, u, gk, h0, cu, co, None, None, 0, chunk, num_chunks=num_chunks,
+                                              block_v=block, num_warps=warps, num_stages=stages)
 
-            def reverse():
-                return state.scan_backward(qg, kg, w, gk, do, dv, d_final, None, True, cu, co, None, None, dim**-0.5,
-                                           chunk, num_chunks=num_chunks, block_v=block)
+                def reverse():
+                    return state.scan_backward(qg, kg, w, gk, do, dv, d_final, None, True, cu, co, None, None,
+                                               dim**-0.5, chunk, num_chunks=num_chunks, block_v=block,
+                                               num_warps=warps, num_stages=stages)
 
-            results = forward() + reverse()
-            reference = reference or results
-            same = all(torch.equal(a, b) for a, b in zip(results, reference) if a is not None)
-            line.append(f"BV={block}: fwd {triton.testing.do_bench(forward):.3f} ms, "
-                        f"rev {triton.testing.do_bench(reverse):.3f} ms, bitwise {same}")
+                results = forward() + reverse()
+                reference = reference or results
+                same = all(torch.equal(a, b) for a, b in zip(results, reference) if a is not None)
+                line.append(f"BV={block} warps={warps} stages={stages}: fwd {triton.testing.do_bench(forward):.3f} ms, "
+                            f"rev {triton.testing.do_bench(reverse):.3f} ms, bitwise {same}")
         print(" | ".join(line), flush=True)
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "MODES",
     "Dispatch",
     "attention",
+    "attention_values",
     "causal_conv1d",
     "chunk_linear_attention",
     "default",
@@ -127,6 +128,23 @@ class Dispatch:
             return varlen.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal)
         return naive.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal)
 
+    def attention_values(self, q, k, v):
+        """``v`` zero-padded to the head dim :meth:`attention` computes with (unchanged where it pads nothing).
+
+        The varlen FlashAttention path pads narrower values (MLA) to the query head dim itself. A caller
+        that gathers each sequence's keys and values from fewer compact rows pads those rows once here,
+        before the gather, so the kernel pads nothing; it then keeps the output's first ``v.shape[-1]``
+        columns (zero values give zero columns, and the others are unchanged, bit for bit).
+        """
+        if self.uses_fast_attention(q):
+            from .attention import varlen
+
+            if varlen.flash_varlen_available(q, k, v):
+                width = varlen.flash_head_dim(q.shape[-1], v.shape[-1])
+                if width != v.shape[-1]:
+                    return torch.nn.functional.pad(v, (0, width - v.shape[-1]))
+        return v
+
     def moe_experts(self, x, indices, weights, gate_up_proj, down_proj):
         """See :func:`harts.kernels.moe.naive.moe_experts`."""
         if self.uses_grouped_experts(x):
@@ -142,4 +160,5 @@ chunk_linear_attention = default.chunk_linear_attention
 recurrent_linear_attention = default.recurrent_linear_attention
 causal_conv1d = default.causal_conv1d
 attention = default.attention
+attention_values = default.attention_values
 moe_experts = default.moe_experts

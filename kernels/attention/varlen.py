@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .._checks import sequence_bounds
 
-__all__ = ["attention", "flash_varlen_available"]
+__all__ = ["attention", "flash_head_dim", "flash_varlen_available"]
 
 _FLASH_DTYPES = (torch.bfloat16, torch.float16)
 _MAX_FLASH_HEAD_DIM = 256
@@ -71,13 +71,18 @@ class _FlashVarlen(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
+def flash_head_dim(query_dim: int, value_dim: int) -> int:
+    """The one head dim FlashAttention computes q, k and v with: the wider of the two, rounded up to 8."""
+    return -(-max(query_dim, value_dim) // 8) * 8
+
+
 def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
     return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
 
 
 def _flash(q, k, v, q_bounds, k_bounds, cu_q, cu_k, scale, causal):
     value_dim = v.shape[-1]
-    head_dim = -(-max(q.shape[-1], value_dim) // 8) * 8
+    head_dim = flash_head_dim(q.shape[-1], value_dim)
     q, k, v = (_pad_last(t, head_dim).contiguous() for t in (q, k, v))
     max_q = int(np.diff(q_bounds).max(initial=0))
     max_k = int(np.diff(k_bounds).max(initial=0))

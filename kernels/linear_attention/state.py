@@ -338,13 +338,16 @@ def scan_forward(
     *,
     num_chunks: int | None = None,
     block_v: int | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward state scan; tensors are [T, H, *] (no batch dim).
 
     Returns ``h`` [NT, H, K, V] (kg's dtype), ``v_new`` [T, H, V] (u's dtype), the final states
     [N, H, K, V] and the exported states [E, H, K, V] (both fp32). ``num_chunks`` (NT, the last
     entry of ``chunk_offsets``) should come from the host: reading it from a CUDA tensor waits for
-    the whole queue. ``block_v`` overrides the value-column block (:func:`_launch_shape`).
+    the whole queue. ``block_v`` overrides the value-column block (:func:`_launch_shape`); ``num_warps`` and
+    ``num_stages`` the launch (``benchmarks/bench_state_blocks.py`` times the choices).
     """
     _check_runnable(kg.device)
     total, heads, key_dim = kg.shape
@@ -372,7 +375,7 @@ def scan_forward(
         cu_seqlens, chunk_offsets,
         H=heads, K=key_dim, V=value_dim, BT=chunk_size, BK=max(16, _next_power_of_2(key_dim)), BV=block_v,
         USE_INITIAL_STATE=initial_state is not None, HAS_EXPORTS=has_exports, WHILE_LOOP=interpreter_enabled(),
-        num_warps=4, num_stages=stages,
+        num_warps=num_warps, num_stages=stages if num_stages is None else num_stages,
     )
     return h, v_new, final_state, exported
 
@@ -396,9 +399,11 @@ def scan_backward(
     *,
     num_chunks: int | None = None,
     block_v: int | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Reverse state scan: ``dh`` [NT, H, K, V] (qg's dtype), ``dh0`` [N, H, K, V] fp32 (or None), ``dv2``;
-    ``num_chunks`` and ``block_v`` as in :func:`scan_forward`."""
+    ``num_chunks``, ``block_v``, ``num_warps`` and ``num_stages`` as in :func:`scan_forward`."""
     _check_runnable(qg.device)
     total, heads, key_dim = qg.shape
     value_dim = do.shape[-1]
@@ -426,7 +431,7 @@ def scan_backward(
         H=heads, K=key_dim, V=value_dim, BT=chunk_size, BK=max(16, _next_power_of_2(key_dim)), BV=block_v,
         USE_INITIAL_STATE=has_initial_state, USE_FINAL_GRADIENT=d_final is not None, HAS_EXPORTS=has_exports,
         WHILE_LOOP=interpreter_enabled(),
-        num_warps=4, num_stages=stages,
+        num_warps=num_warps, num_stages=stages if num_stages is None else num_stages,
     )
     return dh, dh0, dv2
 

@@ -63,6 +63,10 @@ class _Indices(nn.Module):
     def size(self, name: str) -> int:
         return self._sizes[name]
 
+    def is_span(self, name: str) -> bool:
+        """Whether taking the rows is a view (one contiguous range, or none)."""
+        return self._spans[name] is not None or not self._sizes[name]
+
     def covers(self, name: str, length: int) -> bool:
         """Whether the rows are exactly ``0 .. length - 1``."""
         return self._spans[name] == (0, length) or (length == 0 and not self._sizes[name])
@@ -142,6 +146,7 @@ class RowGather(nn.Module):
             self.index.add(f"first_rows{i}", r[mine])
             self.index.add(f"repeat_positions{i}", np.flatnonzero(~mine))
             self.index.add(f"repeat_rows{i}", r[~mine])
+        self.only_spans = all(self.index.is_span(f"rows{i}") for i in range(self.num_outputs))
         # the row-major sums need every read of a row in one tensor: one output
         self.sums_rows = self.num_outputs == 1 and flat.size > first.size
         if self.sums_rows:
@@ -189,6 +194,10 @@ class _GatherFunction(torch.autograd.Function):
         ctx.like = x.new_empty(0)
         ctx.shape = x.shape
         ctx.set_materialize_grads(False)
+        if not x.is_contiguous() and not module.only_spans:
+            # index_select from a strided source (a split of a fused projection) takes an elementwise
+            # kernel several times slower than the vectorised one a contiguous source gets
+            x = x.contiguous()
         return tuple(module.index.take(x, f"rows{i}") for i in range(module.num_outputs))
 
     @staticmethod

@@ -17,12 +17,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harts.codegen.fx import build_linear_attention_program, render_programs
+from harts.codegen.fx import attention_kv_rows, build_linear_attention_program, render_programs
 from harts.codegen.layout import MicrobatchLayout, build_layout
 from harts.errors import IRVerificationError, PlanArtifactError
 from harts.ir.nodes import Phase, StateRef
 from harts.ir.verify import verify
 from harts.kernels import naive
+from harts.kernels.rows.packed import contiguous_span
 from harts.passes import PassContext
 from harts.passes.lay_out import LayOut
 from harts.passes.manager import run_pipeline
@@ -308,6 +309,54 @@ def test_conv_and_attention_views_equal_expanded_baseline(case, width):
             got = torch.autograd.grad((compact * compact_weight).sum(), inputs)
             for a, b in zip(got, want):
                 torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def padding_kernels(seen_value_widths):
+    """The references, plus ``attention_values`` that zero-pads values to the query head dim as the
+    FlashAttention path does for MLA; ``seen_value_widths`` collects the value width attention gets."""
+
+    def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal=True):
+        seen_value_widths.append(v.shape[-1])
+        return naive.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal)
+
+    def attention_values(q, k, v):
+        return torch.nn.functional.pad(v, (0, q.shape[-1] - v.shape[-1]))
+
+    return types.SimpleNamespace(attention=attention, attention_values=attention_values)
+
+
+@settings(max_examples=12, deadline=None)
+@given(case=batches_with_groups(max_trajectories=6, max_length=24))
+def test_attention_values_padded_before_the_gather_equal_the_unpadded_view(case):
+    """A kernel set that pads narrower values gets them padded on the compact rows, before the key/value
+    view's gather; the program keeps the value columns, so outputs and gradients (of q, k and the strided
+    values of a fused projection's split) equal the expanded baseline's on the unpadded values."""
+    batch, chunk_size, groups = case
+    module = rounded_module(batch, chunk_size, groups)
+    for microbatch in module.microbatches:
+        layout = build_layout(module, microbatch.index)
+        widths = []
+        view = TreeView(layout, kernels=padding_kernels(widths))
+        generator = torch.Generator().manual_seed(microbatch.index)
+        q = torch.randn(layout.num_rows, 4, 6, dtype=torch.float64, generator=generator, requires_grad=True)
+        k = torch.randn(layout.num_rows, 2, 6, dtype=torch.float64, generator=generator, requires_grad=True)
+        fused = torch.randn(layout.num_rows, 2, 9, dtype=torch.float64, generator=generator, requires_grad=True)
+        v = fused[..., 6:]  # [C, Hkv, 3], strided, as MLA's values split from kv_b_proj
+        (eq, ek, ev), baseline = expanded(layout, (q, k, v))
+        compact = view.attention(q, k, v, scale=0.4)
+        reference = baseline.attention(eq, ek, ev, scale=0.4)
+        index = torch.as_tensor(layout.trajectory_rows)
+        assert compact.shape == (layout.num_rows, 4, 3)
+        torch.testing.assert_close(compact[index], reference, rtol=1e-10, atol=1e-12)
+        kv_rows, _ = attention_kv_rows(layout)
+        reads_ancestors = contiguous_span(kv_rows) != (0, layout.num_rows)
+        assert widths == ([6] if reads_ancestors else [3])
+        position_weight = torch.randn(reference.shape, dtype=torch.float64, generator=generator)
+        want = torch.autograd.grad((reference * position_weight).sum(), (q, k, fused))
+        compact_weight = torch.zeros_like(compact).index_add(0, index, position_weight)
+        got = torch.autograd.grad((compact * compact_weight).sum(), (q, k, fused))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
 def counting_kernels():

@@ -116,3 +116,38 @@ def test_gpu_attention(dtype, causal):
 def test_gpu_tree_mask_flex(dtype):
     errors = tree_attention_errors(device="cuda", dtype=dtype, rows=700)
     assert max(errors.values()) < (2e-2 if dtype == torch.bfloat16 else 1e-4), errors
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_attention_program_pads_mla_values_before_the_view_bitwise():
+    """MLA's narrower values, strided from their fused projection, padded on the compact rows before the
+    key/value view's gather (``Dispatch.attention_values``): the output equals, bit for bit, the program
+    that lets FlashAttention pad every gathered view row, and the gradients agree within bf16 rounding."""
+    import types
+
+    import harts
+    from harts.codegen.fx import build_attention_program
+    from harts.kernels import dispatch
+    from harts.rollouts.workloads import swe_like_step
+
+    batch = swe_like_step(seed=3, scale=0.004, vocab_size=256)
+    layout = harts.compile(batch, capacity=65536, chunk_size=16).layout(0)
+    padded = build_attention_program(layout, dispatch).to("cuda")
+    unpadded = build_attention_program(layout, types.SimpleNamespace(attention=dispatch.attention)).to("cuda")
+    assert any(node.name == "kernel_values" for node in padded.graph.nodes)
+    generator = torch.Generator().manual_seed(0)
+    rows, heads = layout.num_rows, 4
+    q = torch.randn(rows, heads, 24, generator=generator).to("cuda", torch.bfloat16).requires_grad_()
+    k = torch.randn(rows, heads, 24, generator=generator).to("cuda", torch.bfloat16).requires_grad_()
+    fused = torch.randn(rows, heads, 40, generator=generator).to("cuda", torch.bfloat16).requires_grad_()
+    weight = torch.randn(rows, heads, 16, generator=generator).to("cuda", torch.float32)
+    outputs, grads = [], []
+    for program in (padded, unpadded):
+        o = program(q, k, fused[..., 24:], 0.3)  # [C, H, 16]
+        outputs.append(o)
+        grads.append(torch.autograd.grad((o.float() * weight).sum(), (q, k, fused)))
+    assert outputs[0].shape == (rows, heads, 16)
+    assert torch.equal(outputs[0], outputs[1])
+    for a, b in zip(*grads):
+        assert rel(a, b) < 1e-2

@@ -33,23 +33,28 @@ def gathers(draw):
 
 
 @settings(max_examples=150, deadline=None)
-@given(gathers(), st.integers(0, 2**31 - 1))
-def test_row_gather_matches_index_select(case, seed):
+@given(gathers(), st.integers(0, 2**31 - 1), st.booleans())
+def test_row_gather_matches_index_select(case, seed, strided):
+    """Also from a strided source (columns of a wider tensor, as a split of a fused projection),
+    which the gather makes contiguous once before its index_selects."""
     num_rows, rows, used = case
     generator = torch.Generator().manual_seed(seed)
-    source = torch.randn(num_rows, 3, 2, dtype=torch.float64, generator=generator)
+    wide = torch.randn(num_rows, 3, 4 if strided else 2, dtype=torch.float64, generator=generator)
     weights = [torch.randn(r.size, 3, 2, dtype=torch.float64, generator=generator) for r in rows]
 
     def loss(outputs, leaf):
         terms = [(o * w).sum() for o, w, u in zip(outputs, weights, used) if u]
         return sum(terms, (0 * leaf).sum())  # the zero term keeps the graph when no output is used
 
-    x_ref = source.clone().requires_grad_()
-    want = naive.gather_rows(x_ref, rows)
+    def source(leaf):
+        return leaf[..., 1:3] if strided else leaf
+
+    x_ref = wide.clone().requires_grad_()
+    want = naive.gather_rows(source(x_ref), rows)
     loss(want, x_ref).backward()
 
-    x = source.clone().requires_grad_()
-    got = RowGather(num_rows, rows)(x)
+    x = wide.clone().requires_grad_()
+    got = RowGather(num_rows, rows)(source(x))
     assert len(got) == len(rows)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
