@@ -101,21 +101,78 @@ def causal_conv1d(
     if fla_causal_conv1d is None:
         raise RuntimeError("flash-linear-attention is not installed: pip install 'harts[gpu]'")
     bounds = check_conv_inputs(x, weight, bias, cu_seqlens, context, activation)
+    weight = weight.to(x.dtype).contiguous()
+    bias = None if bias is None else bias.to(x.dtype)
+    activation = None if activation == "identity" else activation
+    if context is None or weight.shape[1] < 2 or x.shape[0] == 0:
+        return _packed_call(fla_causal_conv1d, x, weight, bias, bounds, activation)
+    if CONTEXT_BY_HEAD_WINDOWS:
+        return _with_head_windows(fla_causal_conv1d, x, weight, bias, bounds, context, activation)
     num_sequences, channels = len(bounds) - 1, x.shape[1]
-    initial_state = None
-    if context is not None:
-        unread_slot = x.new_zeros(num_sequences, channels, 1)
-        initial_state = torch.cat([unread_slot, context.to(x.dtype).transpose(1, 2)], dim=2)  # [N, D, W]
+    unread_slot = x.new_zeros(num_sequences, channels, 1)
+    initial_state = torch.cat([unread_slot, context.to(x.dtype).transpose(1, 2)], dim=2)  # [N, D, W]
+    return _packed_call(fla_causal_conv1d, x, weight, bias, bounds, activation, initial_state)
+
+
+#: how a context reaches the kernel: False, as fla's per-sequence initial state; True, by recomputing each
+#: sequence's first W-1 rows from windows of [context; own rows] (see :func:`_with_head_windows`)
+CONTEXT_BY_HEAD_WINDOWS = True
+
+
+def _packed_call(fla_causal_conv1d, x, weight, bias, bounds, activation, initial_state=None) -> torch.Tensor:
     device_bounds, host_bounds, block_table = _call_layout(bounds, x.device)
     y, _ = fla_causal_conv1d(
         x.unsqueeze(0),  # [1, T, D]
-        weight=weight.to(x.dtype).contiguous(),
-        bias=None if bias is None else bias.to(x.dtype),
+        weight=weight,
+        bias=bias,
         initial_state=initial_state,
-        activation=None if activation == "identity" else activation,
+        activation=activation,
         cu_seqlens=device_bounds,
         cu_seqlens_cpu=host_bounds,
         chunk_indices=block_table,
         chunk_size=_BLOCK_ROWS,
     )
     return y.squeeze(0)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_head_rows(bounds_bytes: bytes, history: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    bounds = np.frombuffer(bounds_bytes, dtype=np.int64)
+    starts, lengths = bounds[:-1], np.diff(bounds)
+    offset = np.arange(history)
+    reads = np.minimum(starts[:, None] + offset, max(int(bounds[-1]) - 1, 0))  # [N, W-1]; past a short end: unused
+    exists = (offset[None, :] < lengths[:, None]).reshape(-1)
+    rows = (starts[:, None] + offset).reshape(-1)[exists]
+    return host.upload(reads.reshape(-1), device), host.upload(np.flatnonzero(exists), device), host.upload(rows, device)
+
+
+def _head_rows(bounds: np.ndarray, history: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the rows read as each sequence's first ``history`` rows, clamped into x; which of those reads are
+    rows of their sequence; the rows they are), uploaded once per bounds."""
+    return _cached_head_rows(np.ascontiguousarray(bounds, dtype=np.int64).tobytes(), history, str(device))
+
+
+def _with_head_windows(fla_causal_conv1d, x, weight, bias, bounds, context, activation) -> torch.Tensor:
+    """The convolution with context, as two calls of fla's kernel without initial states.
+
+    One call runs every packed sequence from zeros; its first ``W - 1`` rows per sequence miss their
+    context and are replaced by a second call over one short sequence per input sequence, its context
+    rows then its own first rows (``[N, 2(W-1), D]``), whose last ``W - 1`` outputs are those rows. Both
+    run the kernel's plain path, the one a trajectory-wise run takes through the same windows, so every
+    output equals fla's initial-state path bit for bit (a masked zero added is exact). On an H200 (fla
+    0.6.0, the headline plan's 34,395 rows x 6,144 channels) the initial-state forward took 0.662 ms and
+    the plain one 0.341 ms; forward and backward 6.79 ms against 5.50 ms. Gradients reach x, the weight
+    and the context through both calls.
+    """
+    history = weight.shape[1] - 1
+    num_sequences, channels = len(bounds) - 1, x.shape[1]
+    reads, valid, rows = _head_rows(bounds, history, x.device)
+    y = _packed_call(fla_causal_conv1d, x, weight, bias, bounds, activation)
+    own_heads = x.index_select(0, reads).view(num_sequences, history, channels)
+    windows = torch.cat([context.to(x.dtype), own_heads], dim=1).view(num_sequences * 2 * history, channels)
+    window_bounds = np.arange(num_sequences + 1, dtype=np.int64) * 2 * history
+    heads = _packed_call(fla_causal_conv1d, windows, weight, bias, window_bounds, activation)
+    heads = heads.view(num_sequences, 2 * history, channels)[:, history:].reshape(num_sequences * history, channels)
+    # in place: fla's backward recomputes its output rather than saving it
+    return y.index_copy_(0, rows, heads.index_select(0, valid))
+

@@ -308,18 +308,23 @@ def _launch_shape(value_dim: int, dtype: torch.dtype, state_programs: int, devic
     another, so a call with few sequences (a plan's first rounds: one long shared prompt) is
     latency-bound on too few CTAs; below two per multiprocessor (one for the reverse scan, whose
     steps are heavier) the columns split finer (down to 16), which shortens each step and fills
-    the GPU. A column's arithmetic does not depend on the
-    block it sits in, so results do not change.
+    the GPU; such a forward scan also prefetches one chunk further (3 stages: the headline's one-sequence
+    round 0.113 -> 0.085 ms, its 8-sequence round 0.243 -> 0.232 ms, while the reverse scan and the wider
+    rounds gained nothing or lost; ``benchmarks/bench_state_blocks.py``). A column's arithmetic does not
+    depend on the block it sits in or on the launch, so results do not change (the bench checks bitwise).
     """
     stages = 2 if dtype.itemsize <= 2 else 1
     if block_v is not None:
         if block_v < 16 or block_v & (block_v - 1):
             raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
         return block_v, stages
-    block_v = min(64 if dtype.itemsize <= 2 else 32, max(16, _next_power_of_2(value_dim)))
+    widest = min(64 if dtype.itemsize <= 2 else 32, max(16, _next_power_of_2(value_dim)))
+    block_v = widest
     wanted = _MIN_PROGRAMS_PER_SM[scan] * _multiprocessors(device)
     while block_v > 16 and -(-value_dim // block_v) * state_programs < wanted:
         block_v //= 2
+    if scan == "forward" and dtype.itemsize <= 2 and block_v < widest:
+        stages = 3  # a latency-bound forward scan gains from prefetching one chunk further ahead
     return block_v, stages
 
 

@@ -84,6 +84,31 @@ def test_fla_conv_context_of_a_fork_equals_the_unforked_sequence():
         assert torch.equal(tail, full[fork:]), fork
 
 
+@pytest.mark.parametrize("width", [2, 4])
+def test_head_windows_equal_fla_initial_states_bit_for_bit(width, monkeypatch):
+    """The context reaches fla as recomputed head windows (two plain calls) or as fla's initial states:
+    the outputs are identical and the gradients agree to bf16 rounding."""
+    lengths = [1, 2, 3, 4, 5, 63, 64, 65, 200]
+    channels = 96
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    cu = torch.as_tensor(bounds, device=DEVICE)
+    generator = torch.Generator(device=DEVICE).manual_seed(10 + width)
+    x = torch.randn(int(bounds[-1]), channels, generator=generator, device=DEVICE).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(channels, width, generator=generator, device=DEVICE) / width).to(torch.bfloat16).requires_grad_()
+    context = torch.randn(len(lengths), width - 1, channels, generator=generator, device=DEVICE)
+    context = context.to(torch.bfloat16).requires_grad_()
+    upstream = torch.randn(int(bounds[-1]), channels, generator=generator, device=DEVICE)
+    outputs, grads = [], []
+    for by_windows in (True, False):
+        monkeypatch.setattr(fla_conv, "CONTEXT_BY_HEAD_WINDOWS", by_windows)
+        y = fla_conv.causal_conv1d(x, weight, None, cu, context=context, activation="silu")
+        outputs.append(y)
+        grads.append(torch.autograd.grad((y.float() * upstream).sum(), (x, weight, context)))
+    assert torch.equal(outputs[0], outputs[1])
+    for name, got, want in zip(("x", "weight", "context"), *grads):
+        assert relative_error(got, want) < TOLERANCE, name
+
+
 def test_dispatch_sends_only_tuned_gpu_convolutions_to_fla():
     from harts.kernels import Dispatch
 

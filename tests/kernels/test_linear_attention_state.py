@@ -57,6 +57,20 @@ def test_scans_with_few_sequences_split_their_value_columns_finer(monkeypatch):
     assert _block(8, bf16, 1, monkeypatch) == 16
 
 
+def test_only_forward_scans_split_for_latency_prefetch_a_chunk_further(monkeypatch):
+    import torch
+
+    from harts.kernels.linear_attention import state
+
+    monkeypatch.setitem(state._SM_COUNTS, 0, 132)
+    cuda = torch.device("cuda", 0)
+    assert state._launch_shape(128, torch.bfloat16, 16, cuda) == (16, 3)
+    assert state._launch_shape(128, torch.bfloat16, 8 * 16, cuda) == (32, 3)
+    assert state._launch_shape(128, torch.bfloat16, 20 * 16, cuda) == (64, 2)
+    assert state._launch_shape(128, torch.bfloat16, 16, cuda, scan="reverse") == (16, 2)
+    assert state._launch_shape(128, torch.float32, 1, cuda) == (16, 1)
+
+
 def test_a_block_override_must_be_a_power_of_two(monkeypatch):
     import torch
 
