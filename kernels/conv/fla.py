@@ -173,6 +173,6 @@ def _with_head_windows(fla_causal_conv1d, x, weight, bias, bounds, context, acti
     window_bounds = np.arange(num_sequences + 1, dtype=np.int64) * 2 * history
     heads = _packed_call(fla_causal_conv1d, windows, weight, bias, window_bounds, activation)
     heads = heads.view(num_sequences, 2 * history, channels)[:, history:].reshape(num_sequences * history, channels)
-    # in place: fla's backward recomputes its output rather than saving it
-    return y.index_copy_(0, rows, heads.index_select(0, valid))
+    # out of place: the output of fla's autograd function is a view it forbids writing into
+    return y.index_copy(0, rows, heads.index_select(0, valid))
 
