@@ -18,6 +18,7 @@ import logging
 import attrs
 import numpy as np
 
+from harts.planner import run_greedy
 from harts.planner.ranks import RankSpace
 
 logger = logging.getLogger(__name__)
@@ -164,10 +165,25 @@ def place_all(space: RankSpace, capacity: int, lanes: list[tuple[np.ndarray, str
 
 
 def _place_group(space: RankSpace, capacity: int, lanes: list[tuple[np.ndarray, str]], columns: int) -> list[Packing]:
+    if run_greedy.runs_fit(space):
+        return _place_group_runs(space, capacity, lanes)
     pairs = space.pair_table()
     if pairs is None:
         return _place_group_ranges(space, capacity, lanes, columns)
     return _place_group_pairs(space, capacity, lanes, columns, pairs)
+
+
+def _place_group_runs(space: RankSpace, capacity: int, lanes: list[tuple[np.ndarray, str]]) -> list[Packing]:
+    """:func:`place_all` lane by lane over prefix runs (:mod:`harts.planner.run_greedy`; the same plans)."""
+    return [_placed_packing(space, capacity, labels, works) for labels, works in run_greedy.place_lanes(space, capacity, lanes)]
+
+
+def _placed_packing(space: RankSpace, capacity: int, labels: np.ndarray, works: np.ndarray) -> Packing:
+    """The packing of a finished placement: ``labels`` by rank, ``works`` by column (every column opened)."""
+    dtype = np.int16 if space.size < np.iinfo(np.int16).max else np.int32
+    # room for a few more microbatches (DP alignment opens some) before the tables grow
+    before, after = _neighbour_tables_from_labels(labels, len(works) + 8, dtype)
+    return Packing(space, capacity, before, after, np.append(works, np.zeros(8, dtype=np.int64)), len(works), labels)
 
 
 def _neighbour_tables_from_labels(labels: np.ndarray, columns: int, dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -511,6 +527,38 @@ def greedy_plans(space: RankSpace, capacity: int, dp_size: int) -> list[GreedyPl
             continue
         plans.append(GreedyPlan(packing.canonical_labels(), packing.live_count, packing.total_work(), f"greedy/{order_name}/{policy}"))
     return plans
+
+
+def greedy_choice(space: RankSpace, capacity: int, dp_size: int) -> GreedyPlan | None:
+    """``preselect(greedy_plans(space, capacity, dp_size))``, finishing only the lanes that can win.
+
+    A microbatch more than half full is never dissolved by :func:`eliminate_small` and alignment only
+    adds microbatches, so a placement with ``h`` of them ends with at least ``h`` rounded up to a
+    multiple of D; a lane whose bound exceeds the fewest microbatches already finished cannot be
+    preselected, and a lane placed exactly as an earlier one gives the earlier one's plan, which wins
+    the tie. Neither is finished (their neighbour tables are most of a lane's cost), so the choice is the
+    same. Batches with a run beyond :data:`run_greedy.RUN_LIMIT` finish every lane.
+    """
+    names = [(order_name, policy) for order_name in ORDERS for policy in POLICIES]
+    lanes = [(processing_order(space, order_name), policy) for order_name, policy in names]
+    if not run_greedy.runs_fit(space):
+        return preselect(greedy_plans(space, capacity, dp_size))
+    placements = run_greedy.place_lanes(space, capacity, lanes)
+    bounds = [-(-int(np.count_nonzero(2 * works > capacity)) // dp_size) * dp_size for _, works in placements]
+    finished: dict[int, GreedyPlan] = {}
+    seen: set[bytes] = set()
+    for lane in sorted(range(len(lanes)), key=lambda lane: (bounds[lane], lane)):
+        labels, works = placements[lane]
+        fewest = min((plan.count for plan in finished.values()), default=None)
+        if (fewest is not None and bounds[lane] > fewest) or labels.tobytes() in seen:
+            continue
+        seen.add(labels.tobytes())
+        packing = align_to_dp(eliminate_small(_placed_packing(space, capacity, labels, works)), dp_size)
+        if packing is not None:
+            order_name, policy = names[lane]
+            finished[lane] = GreedyPlan(packing.canonical_labels(), packing.live_count, packing.total_work(),
+                                        f"greedy/{order_name}/{policy}")
+    return preselect([finished[lane] for lane in sorted(finished)])
 
 
 def piece_plans(space: RankSpace, capacity: int, dp_size: int, starts: np.ndarray, name: str = "pieces") -> list[GreedyPlan]:

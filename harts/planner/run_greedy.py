@@ -1,0 +1,142 @@
+"""The trajectory greedy of :mod:`harts.planner.greedy` one lane at a time, by prefix runs (same plans, less work).
+
+Let ``floor`` be the smallest LCP of two rank-adjacent trajectories and cut the ranks into
+*runs* wherever the adjacent LCP equals it (a batch's trees when they share at most a common
+system prompt; single trajectories when nothing is shared beyond it). Two ranks in different
+runs have LCP exactly ``floor`` (a cut lies between them and no adjacent LCP is smaller), and
+two ranks in one run have more. So for a trajectory ``x`` Eq. 10 takes only two forms:
+
+* a microbatch with no member in ``x``'s run shares exactly ``floor`` tokens with ``x``, so
+  among those the best-fit choice is the heaviest one at most ``capacity - |x| + floor``: one
+  bisection in the microbatches kept sorted by (work, lowest index);
+* a microbatch with a member in the run shares more, the LCP with its nearest members there;
+  one walk over the run (a running minimum of the adjacent LCPs outward from ``x``) finds
+  every such microbatch and what it shares.
+
+A step then costs the run's size and a bisection instead of the lockstep's array operations over
+every open microbatch, and the lanes run one by one in plain Python. The walk is bounded by
+:data:`RUN_LIMIT`; a batch with a larger run keeps the lockstep (``harts.planner.greedy``).
+Lanes that must give the same plan are placed once: equal orders (the longest-first and
+unique-suffix orders coincide when nothing is shared beyond the floor) and, when no run holds
+two trajectories, both policies (every open microbatch then shares exactly ``floor`` tokens,
+so max-shared ranks as best-fit does).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right, insort
+
+import numpy as np
+
+from harts.planner.ranks import RankSpace
+
+#: the largest run (trajectories) the walk handles; larger runs keep the lockstep placement
+RUN_LIMIT = 256
+#: a sorted key packs a microbatch's work above its column, inverted so that equal works sort the lowest column last
+_COLUMN_BITS = 32
+_COLUMN_MASK = (1 << _COLUMN_BITS) - 1
+
+
+def prefix_runs(space: RankSpace) -> tuple[int, np.ndarray, np.ndarray]:
+    """``floor`` and, by rank, the first and last rank of the rank's run (see the module docstring)."""
+    n = space.size
+    floor = int(space.lcp[1:].min()) if n > 1 else 0
+    cut = np.ones(n, dtype=bool)
+    cut[1:] = space.lcp[1:] <= floor
+    firsts = np.flatnonzero(cut)
+    lasts = np.append(firsts[1:] - 1, n - 1)
+    run = np.cumsum(cut) - 1
+    return floor, firsts[run], lasts[run]
+
+
+def runs_fit(space: RankSpace) -> bool:
+    """Whether every run is small enough for :func:`place_lanes`."""
+    _, firsts, lasts = prefix_runs(space)
+    return int((lasts - firsts).max(initial=0)) < RUN_LIMIT
+
+
+def place_lanes(space: RankSpace, capacity: int, lanes: list[tuple[np.ndarray, str]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(labels, works)`` of every lane (column ``c`` holds work ``works[c]``), as the lockstep places them."""
+    floor, firsts, lasts = prefix_runs(space)
+    alone = bool((lasts == firsts).all())
+    context = (capacity, space.lengths.tolist(), floor, np.cumsum(firsts == np.arange(space.size)).tolist(), firsts.tolist(),
+               _RunRows(space, firsts, lasts))
+    placed: dict[tuple[bytes, bool], tuple[np.ndarray, np.ndarray]] = {}
+    results = []
+    for order, policy in lanes:
+        max_shared = policy == "max-shared" and not alone
+        key = (np.ascontiguousarray(order).tobytes(), max_shared)
+        if key not in placed:
+            labels, works = _place_lane(order.tolist(), max_shared, *context)
+            placed[key] = (np.array(labels, dtype=np.int64), np.array(works, dtype=np.int64))
+        labels, works = placed[key]
+        results.append((labels.copy(), works.copy()))
+    return results
+
+
+class _RunRows:
+    """LCP of a rank with every rank of its run, as a list indexed from the run's first rank."""
+
+    def __init__(self, space: RankSpace, firsts: np.ndarray, lasts: np.ndarray):
+        self.lcp = space.lcp
+        self.pairs = space.pair_table()
+        self.firsts, self.lasts = firsts.tolist(), lasts.tolist()
+
+    def __call__(self, x: int) -> list[int]:
+        first, last = self.firsts[x], self.lasts[x]
+        if self.pairs is not None:
+            return self.pairs[x, first : last + 1].tolist()
+        # LCP(x, r) is the minimum adjacent LCP between them: running minima outward from x
+        below = np.minimum.accumulate(self.lcp[x:first:-1])[::-1].tolist()
+        above = np.minimum.accumulate(self.lcp[x + 1 : last + 1]).tolist()
+        return below + [0] + above
+
+
+def _place_lane(order: list[int], max_shared: bool, capacity: int, lengths: list[int], floor: int, run_of: list[int],
+                firsts: list[int], run_rows: _RunRows) -> tuple[list[int], list[int]]:
+    """One lane of the lockstep greedy (:func:`harts.planner.greedy.place_all`): best-fit takes the feasible
+    column heaviest after insertion, max-shared the one sharing most, then heaviest; ties to the lowest column."""
+    labels = [-1] * len(lengths)
+    works: list[int] = []
+    keys: list[int] = []  # (work << bits) | (mask - column), ascending
+    # per run: the placed members' offsets in the run and their columns
+    placed_offsets: list[list[int]] = [[] for _ in range(run_of[-1])]
+    placed_columns: list[list[int]] = [[] for _ in range(run_of[-1])]
+    for x in order:
+        length, run = lengths[x], run_of[x] - 1
+        offsets, columns = placed_offsets[run], placed_columns[run]
+        # column -> tokens shared with x, for every column with a member in x's run: the most x shares with one of them
+        shared: dict[int, int] = {}
+        if offsets:
+            row = run_rows(x)
+            for offset, column in zip(offsets, columns):
+                if row[offset] > shared.get(column, -1):
+                    shared[column] = row[offset]
+        choice, best = -1, None
+        for column, tokens in shared.items():
+            after = works[column] + length - tokens
+            if after <= capacity:
+                rank_key = (tokens, after, -column) if max_shared else (after, -column)
+                if best is None or rank_key > best:
+                    choice, best = column, rank_key
+        if choice < 0 or not max_shared:
+            # the heaviest column sharing only the floor that still fits; skip those of the run (counted above)
+            position = bisect_right(keys, ((capacity - length + floor) << _COLUMN_BITS) | _COLUMN_MASK) - 1
+            while position >= 0 and _COLUMN_MASK - (keys[position] & _COLUMN_MASK) in shared:
+                position -= 1
+            if position >= 0:
+                column = _COLUMN_MASK - (keys[position] & _COLUMN_MASK)
+                after = (keys[position] >> _COLUMN_BITS) + length - floor
+                if best is None or (after, -column) > best:
+                    choice = column
+        if choice < 0:
+            choice = len(works)
+            works.append(length)
+        else:
+            del keys[bisect_left(keys, (works[choice] << _COLUMN_BITS) | (_COLUMN_MASK - choice))]
+            works[choice] += length - shared.get(choice, floor)
+        insort(keys, (works[choice] << _COLUMN_BITS) | (_COLUMN_MASK - choice))
+        labels[x] = choice
+        offsets.append(x - firsts[x])
+        columns.append(choice)
+    return labels, works
