@@ -6,6 +6,9 @@ none). Evaluating Eq. 10 for one trajectory against all open microbatches is the
 gather from each table at the trajectory's rank and one vectorised range-minimum query;
 inserting or removing a member rewrites one slice of its microbatch's rows between its
 neighbours. The eight (order, policy) plans run in lockstep over one 3-D table each.
+When the batch's prefix runs are short (:mod:`harts.planner.run_greedy`, the usual case) the
+same placement runs lane by lane with one bisection and one walk over a run per step instead,
+and :func:`greedy_choice` finishes only the lanes that can be preselected.
 
 :func:`place_pieces` is the same placement with natural-partition intervals as the unit
 (an extension beyond the paper; see :mod:`harts.planner.search`).
