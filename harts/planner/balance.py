@@ -242,8 +242,9 @@ def _pool(space: RankSpace, capacity: int, labels: np.ndarray, works: np.ndarray
             pick = promising[pick]
             mine = run[pick]
             keep = change[pick] < 0
-            keep |= space.lcp_between(np.minimum(layout.order[first[mine]], layout.order[first[partner]]),
-                                      np.maximum(layout.order[first[mine]], layout.order[first[partner]])) > floor
+            # two ranks share more than ``floor`` exactly when they are of one tree (no adjacent LCP of ``floor``
+            # between them): a lookup instead of a pairwise LCP per swap
+            keep |= tree_of_rank[layout.order[first[mine]]] == tree_of_rank[layout.order[first[partner]]]
             mine, partner = mine[keep], partner[keep]
             u, v = group[mine], group[partner]
             new_u, new_v, fits = _swap_works(layout, works, u, v, first[mine], last[mine], first[partner], last[partner],

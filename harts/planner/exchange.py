@@ -162,27 +162,34 @@ def _sharing_range(space: RankSpace, ranks: np.ndarray, threshold: np.ndarray, u
     """The farthest rank on one side of each rank whose LCP with it exceeds ``threshold`` (the rank itself if none).
 
     ``LCP(r, x) = min(lcp[r+1..x])`` only falls as ``r`` moves away from ``x``, so a binary search
-    on range minima finds the end of the range.
+    on range minima finds the end of the range. The range is empty exactly when the adjacent rank
+    already shares no more than ``threshold`` (on batches without sharing, every range); only the
+    nonempty ones are searched, and each step only those still open.
     """
     n = space.size
+    result = ranks.copy()
     if upward:
-        low, high = ranks.copy(), np.full_like(ranks, n - 1)  # answer in [low, high]
+        neighbour_lcp = space.lcp[np.minimum(ranks + 1, n - 1)]
+        searching = np.flatnonzero((ranks < n - 1) & (neighbour_lcp > threshold))
+        low, high = ranks[searching] + 1, np.full(searching.size, n - 1)  # answer in [low, high]
     else:
-        low, high = np.zeros_like(ranks), ranks.copy()
-    while True:
-        active = low < high
-        if not active.any():
-            return low
+        searching = np.flatnonzero((ranks > 0) & (space.lcp[ranks] > threshold))
+        low, high = np.zeros(searching.size, dtype=ranks.dtype), ranks[searching] - 1
+    anchors, bound = ranks[searching], threshold[searching]
+    while searching.size:
         if upward:
             middle = (low + high + 1) // 2
-            ok = (middle == ranks) | (space.lcp_between(ranks, middle) > threshold)
-            low = np.where(active & ok, middle, low)
-            high = np.where(active & ~ok, middle - 1, high)
+            ok = space.lcp_between(anchors, middle) > bound
+            low, high = np.where(ok, middle, low), np.where(ok, high, middle - 1)
         else:
             middle = (low + high) // 2
-            ok = (middle == ranks) | (space.lcp_between(middle, ranks) > threshold)
-            high = np.where(active & ok, middle, high)
-            low = np.where(active & ~ok, middle + 1, low)
+            ok = space.lcp_between(middle, anchors) > bound
+            low, high = np.where(ok, low, middle + 1), np.where(ok, middle, high)
+        done = low >= high
+        result[searching[done]] = low[done]
+        open_ = ~done
+        searching, low, high, anchors, bound = searching[open_], low[open_], high[open_], anchors[open_], bound[open_]
+    return result
 
 
 def sharing_receivers(space: RankSpace, labels: np.ndarray, layout: Layout, first: np.ndarray, last: np.ndarray,

@@ -193,3 +193,26 @@ def test_scalar_boundary_refinement_equals_the_array_version(trajectories, capac
         space, capacity, natural, list(range(1, index.size + 1)), "always").values())))
     got = contiguous.refine_boundaries(space, capacity, starts, window, 2)
     assert got.tolist() == reference_refine_boundaries(space, capacity, starts, window, 2).tolist()
+
+
+# --------------------------------------------------------------------------- sharing ranges (subtree exchange)
+@settings(max_examples=60, deadline=None)
+@given(forests(max_trajectories=16), st.data())
+def test_sharing_range_is_the_farthest_rank_sharing_more(trajectories, data):
+    from harts.planner.exchange import _sharing_range
+
+    index = compressed_index(trajectories)
+    space = RankSpace(index)
+    n = index.size
+    ranks_ = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=12)), dtype=np.int64)
+    threshold = np.array(data.draw(st.lists(st.integers(-1, 40), min_size=ranks_.size, max_size=ranks_.size)), dtype=np.int64)
+    for upward in (False, True):
+        got = _sharing_range(space, ranks_, threshold, upward)
+        for rank, bound, end in zip(ranks_.tolist(), threshold.tolist(), got.tolist()):
+            side = range(rank + 1, n) if upward else range(rank - 1, -1, -1)
+            want = rank
+            for other in side:  # LCPs only fall with rank distance: the range ends at the first that shares too little
+                if index.lcp_ranks(min(rank, other), max(rank, other)) <= bound:
+                    break
+                want = other
+            assert end == want
