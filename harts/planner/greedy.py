@@ -537,31 +537,35 @@ def greedy_choice(space: RankSpace, capacity: int, dp_size: int) -> GreedyPlan |
 
     A microbatch more than half full is never dissolved by :func:`eliminate_small` and alignment only
     adds microbatches, so a placement with ``h`` of them ends with at least ``h`` rounded up to a
-    multiple of D; a lane whose bound exceeds the fewest microbatches already finished cannot be
-    preselected, and a lane placed exactly as an earlier one gives the earlier one's plan, which wins
-    the tie. Neither is finished (their neighbour tables are most of a lane's cost), so the choice is the
-    same. Batches with a run beyond :data:`run_greedy.RUN_LIMIT` finish every lane.
+    multiple of D. Once a lane is finished with K microbatches (a multiple of D), a later lane that
+    gets more than K microbatches over half full cannot be preselected: its placement stops there
+    (works only grow while placing). A lane placed exactly as an earlier one gives the earlier one's
+    plan, which wins the tie. Neither is finished (placing and the neighbour tables are a lane's
+    cost), so the choice is the same. Batches with a run beyond :data:`run_greedy.RUN_LIMIT`
+    finish every lane.
     """
-    names = [(order_name, policy) for order_name in ORDERS for policy in POLICIES]
-    lanes = [(processing_order(space, order_name), policy) for order_name, policy in names]
     if not run_greedy.runs_fit(space):
         return preselect(greedy_plans(space, capacity, dp_size))
-    placements = run_greedy.place_lanes(space, capacity, lanes)
-    bounds = [-(-int(np.count_nonzero(2 * works > capacity)) // dp_size) * dp_size for _, works in placements]
-    finished: dict[int, GreedyPlan] = {}
-    seen: set[bytes] = set()
-    for lane in sorted(range(len(lanes)), key=lambda lane: (bounds[lane], lane)):
-        labels, works = placements[lane]
-        fewest = min((plan.count for plan in finished.values()), default=None)
-        if (fewest is not None and bounds[lane] > fewest) or labels.tobytes() in seen:
-            continue
-        seen.add(labels.tobytes())
-        packing = align_to_dp(eliminate_small(_placed_packing(space, capacity, labels, works)), dp_size)
-        if packing is not None:
-            order_name, policy = names[lane]
-            finished[lane] = GreedyPlan(packing.canonical_labels(), packing.live_count, packing.total_work(),
-                                        f"greedy/{order_name}/{policy}")
-    return preselect([finished[lane] for lane in sorted(finished)])
+    placer = run_greedy.RunPlacer(space, capacity)
+    best: GreedyPlan | None = None
+    seen: set = set()
+    for order_name in ORDERS:
+        order = processing_order(space, order_name)
+        for policy in POLICIES:
+            key = placer.key(order, policy)
+            if key in seen:
+                continue
+            seen.add(key)
+            placed = placer.place(order, policy, None if best is None else best.count)
+            if placed is None or placed[0].tobytes() in seen:
+                continue
+            seen.add(placed[0].tobytes())
+            packing = align_to_dp(eliminate_small(_placed_packing(space, capacity, *placed)), dp_size)
+            if packing is not None:
+                plan = GreedyPlan(packing.canonical_labels(), packing.live_count, packing.total_work(), f"greedy/{order_name}/{policy}")
+                if best is None or (plan.count, plan.total_work) < (best.count, best.total_work):
+                    best = plan
+    return best
 
 
 def piece_plans(space: RankSpace, capacity: int, dp_size: int, starts: np.ndarray, name: str = "pieces") -> list[GreedyPlan]:

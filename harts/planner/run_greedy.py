@@ -57,21 +57,39 @@ def runs_fit(space: RankSpace) -> bool:
 
 def place_lanes(space: RankSpace, capacity: int, lanes: list[tuple[np.ndarray, str]]) -> list[tuple[np.ndarray, np.ndarray]]:
     """``(labels, works)`` of every lane (column ``c`` holds work ``works[c]``), as the lockstep places them."""
-    floor, firsts, lasts = prefix_runs(space)
-    alone = bool((lasts == firsts).all())
-    context = (capacity, space.lengths.tolist(), floor, np.cumsum(firsts == np.arange(space.size)).tolist(), firsts.tolist(),
-               _RunRows(space, firsts, lasts))
-    placed: dict[tuple[bytes, bool], tuple[np.ndarray, np.ndarray]] = {}
+    placer = RunPlacer(space, capacity)
     results = []
     for order, policy in lanes:
-        max_shared = policy == "max-shared" and not alone
-        key = (np.ascontiguousarray(order).tobytes(), max_shared)
-        if key not in placed:
-            labels, works = _place_lane(order.tolist(), max_shared, *context)
-            placed[key] = (np.array(labels, dtype=np.int64), np.array(works, dtype=np.int64))
-        labels, works = placed[key]
+        labels, works = placer.place(order, policy)
         results.append((labels.copy(), works.copy()))
     return results
+
+
+class RunPlacer:
+    """Places lanes of one batch one at a time (see the module docstring); a lane placed exactly as an earlier
+    one (the same order, and the same policy where policies can differ) is not placed again."""
+
+    def __init__(self, space: RankSpace, capacity: int):
+        floor, firsts, lasts = prefix_runs(space)
+        self.alone = bool((lasts == firsts).all())
+        self.context = (capacity, space.lengths.tolist(), floor, np.cumsum(firsts == np.arange(space.size)).tolist(),
+                        firsts.tolist(), _RunRows(space, firsts, lasts))
+        self.capacity = capacity
+        self.placed: dict[tuple[bytes, bool], tuple[np.ndarray, np.ndarray] | None] = {}
+
+    def key(self, order: np.ndarray, policy: str) -> tuple[bytes, bool]:
+        """Lanes of equal keys are placed alike."""
+        return np.ascontiguousarray(order).tobytes(), policy == "max-shared" and not self.alone
+
+    def place(self, order: np.ndarray, policy: str, most_half_full: int | None = None):
+        """``(labels, works)`` of the lane, or None once more than ``most_half_full`` microbatches are over half full
+        (works only grow while placing, so the finished placement would have more too)."""
+        key = self.key(order, policy)
+        if key not in self.placed:
+            placed = _place_lane(order.tolist(), key[1], *self.context,
+                                 most_half_full=len(order) if most_half_full is None else most_half_full)
+            self.placed[key] = None if placed is None else tuple(np.array(part, dtype=np.int64) for part in placed)
+        return self.placed[key]
 
 
 class _RunRows:
@@ -93,9 +111,11 @@ class _RunRows:
 
 
 def _place_lane(order: list[int], max_shared: bool, capacity: int, lengths: list[int], floor: int, run_of: list[int],
-                firsts: list[int], run_rows: _RunRows) -> tuple[list[int], list[int]]:
+                firsts: list[int], run_rows: _RunRows, most_half_full: int) -> tuple[list[int], list[int]] | None:
     """One lane of the lockstep greedy (:func:`harts.planner.greedy.place_all`): best-fit takes the feasible
-    column heaviest after insertion, max-shared the one sharing most, then heaviest; ties to the lowest column."""
+    column heaviest after insertion, max-shared the one sharing most, then heaviest; ties to the lowest column.
+    None as soon as more than ``most_half_full`` columns hold more than half the capacity."""
+    half_full = 0
     labels = [-1] * len(lengths)
     works: list[int] = []
     keys: list[int] = []  # (work << bits) | (mask - column), ascending
@@ -129,12 +149,18 @@ def _place_lane(order: list[int], max_shared: bool, capacity: int, lengths: list
                 after = (keys[position] >> _COLUMN_BITS) + length - floor
                 if best is None or (after, -column) > best:
                     choice = column
+        was_half_full = False
         if choice < 0:
             choice = len(works)
             works.append(length)
         else:
+            was_half_full = 2 * works[choice] > capacity
             del keys[bisect_left(keys, (works[choice] << _COLUMN_BITS) | (_COLUMN_MASK - choice))]
             works[choice] += length - shared.get(choice, floor)
+        if not was_half_full and 2 * works[choice] > capacity:
+            half_full += 1
+            if half_full > most_half_full:
+                return None
         insort(keys, (works[choice] << _COLUMN_BITS) | (_COLUMN_MASK - choice))
         labels[x] = choice
         offsets.append(x - firsts[x])

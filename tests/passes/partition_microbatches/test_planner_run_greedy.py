@@ -107,3 +107,20 @@ def test_without_sharing_beyond_the_prompt_both_policies_agree():
     assert best_fit.tolist() == max_shared.tolist()
     assert [p.labels.tolist() for p in greedy._place_group_pairs(space, 24, lanes, 2, space.pair_table())] == [
         best_fit.tolist(), max_shared.tolist()]
+
+
+@settings(max_examples=40, deadline=None)
+@given(prompted_forests(), st.integers(4, 70))
+def test_placement_stops_only_past_the_half_full_limit(trajectories, capacity):
+    index = compressed_index(trajectories)
+    space = RankSpace(index)
+    assume(index.lengths.max() <= capacity)
+    order = greedy.processing_order(space, "longest")
+    labels, works = run_greedy.RunPlacer(space, capacity).place(order, "best-fit")
+    half_full = int(np.count_nonzero(2 * works > capacity))
+    for limit in range(half_full + 2):
+        placed = run_greedy.RunPlacer(space, capacity).place(order, "best-fit", limit)
+        if limit < half_full:
+            assert placed is None
+        else:
+            assert placed[0].tolist() == labels.tolist() and placed[1].tolist() == works.tolist()
