@@ -300,11 +300,11 @@ def balance_slots(space: RankSpace, capacity: int, labels: np.ndarray, dp_size: 
         if useful.size == 0:
             break
         ranked = useful[np.lexsort((d[useful], c[useful], b[useful], a[useful], -after_low[useful], after[useful], change[useful]))]
-        touched = np.zeros(count, dtype=bool)
+        touched = [False] * count
         applied = 0
         tries = count
-        for k in ranked.tolist():
-            first_group, second_group = int(u[k]), int(v[k])
+        # most entries are skipped for a microbatch an earlier change touched: plain lists, no numpy scalar per entry
+        for k, first_group, second_group in zip(ranked.tolist(), u[ranked].tolist(), v[ranked].tolist()):
             if touched[first_group] or touched[second_group]:
                 continue
             if tries == 0:

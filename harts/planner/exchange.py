@@ -327,10 +327,9 @@ def exchange_subtrees(space: RankSpace, capacity: int, labels: np.ndarray, round
             break
         gain, a_group, b_group, r_first, r_last, s_first, s_last, new_a, new_b = found
         ranked = np.lexsort((s_last, s_first, r_last, r_first, np.maximum(new_a, new_b), -gain))
-        used = np.zeros(count, dtype=bool)
+        used = [False] * count
         applied = 0
-        for c in ranked.tolist():
-            a, b = int(a_group[c]), int(b_group[c])
+        for c, a, b in zip(ranked.tolist(), a_group[ranked].tolist(), b_group[ranked].tolist()):
             if used[a] or used[b]:
                 continue
             used[a] = used[b] = True
