@@ -38,15 +38,8 @@ _COLUMN_MASK = (1 << _COLUMN_BITS) - 1
 
 
 def prefix_runs(space: RankSpace) -> tuple[int, np.ndarray, np.ndarray]:
-    """``floor`` and, by rank, the first and last rank of the rank's run (see the module docstring)."""
-    n = space.size
-    floor = int(space.lcp[1:].min()) if n > 1 else 0
-    cut = np.ones(n, dtype=bool)
-    cut[1:] = space.lcp[1:] <= floor
-    firsts = np.flatnonzero(cut)
-    lasts = np.append(firsts[1:] - 1, n - 1)
-    run = np.cumsum(cut) - 1
-    return floor, firsts[run], lasts[run]
+    """``floor`` and, by rank, the first and last rank of the rank's run (:meth:`RankSpace.prefix_runs`)."""
+    return space.prefix_runs()
 
 
 def runs_fit(space: RankSpace) -> bool:

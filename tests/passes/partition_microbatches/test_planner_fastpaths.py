@@ -113,6 +113,17 @@ def test_pair_table_holds_every_pairwise_lcp(trajectories):
         space.range_min(ranks_, ranks_), space.range_min(ranks_ + 1, ranks_ + 1)).tolist()
 
 
+@settings(max_examples=40, deadline=None)
+@given(forests(), st.lists(st.integers(0, 9), max_size=5))
+def test_pair_table_by_runs_equals_row_by_row(trajectories, prompt):
+    index = compressed_index([prompt + trajectory for trajectory in trajectories])
+    by_runs = RankSpace(index).pair_table()
+    with pytest.MonkeyPatch.context() as patch:  # every run too long: the cumulative minima fill it
+        patch.setattr(ranks, "RUN_PAIRS_PER_TRAJECTORY", -1)
+        row_by_row = RankSpace(index).pair_table()
+    assert by_runs.dtype == row_by_row.dtype and np.array_equal(by_runs, row_by_row)
+
+
 def test_pair_table_is_skipped_above_the_memory_budget(monkeypatch):
     monkeypatch.setattr(ranks, "PAIR_TABLE_BYTES", 0)
     index = compressed_index([[1, 2, 3], [1, 2, 4], [5]])
