@@ -143,7 +143,7 @@ def subtree_runs(layout: Layout) -> tuple[np.ndarray, np.ndarray]:
     starts = layout.starts.tolist()
     order = layout.order
     adjacent = layout.adjacent
-    firsts, lasts = [], []
+    firsts, lasts, offsets, counts = [], [], [], []
     for group in range(len(starts) - 1):
         low, high = starts[group], starts[group + 1]
         key = order[low:high].tobytes()
@@ -151,11 +151,15 @@ def subtree_runs(layout: Layout) -> tuple[np.ndarray, np.ndarray]:
         if runs is None:
             runs = cache[key] = _group_subtrees(adjacent[low : high - 1].tolist(), high - low)
         if runs[0].size:
-            firsts.append(runs[0] + low)
-            lasts.append(runs[1] + low)
+            firsts.append(runs[0])
+            lasts.append(runs[1])
+            offsets.append(low)
+            counts.append(runs[0].size)
     if not firsts:
         return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
-    return np.concatenate(firsts), np.concatenate(lasts)
+    # cached positions are relative to the group's first member: shift them all at once
+    shift = np.repeat(np.array(offsets, dtype=np.int64), counts)
+    return np.concatenate(firsts) + shift, np.concatenate(lasts) + shift
 
 
 def _sharing_range(space: RankSpace, ranks: np.ndarray, threshold: np.ndarray, upward: bool) -> np.ndarray:
