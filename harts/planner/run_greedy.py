@@ -32,6 +32,8 @@ from harts.planner.ranks import RankSpace
 
 #: the largest run (trajectories) the walk handles; larger runs keep the lockstep placement
 RUN_LIMIT = 256
+#: the LCP rows of a batch's runs are kept across lanes when they hold at most this many entries together
+KEPT_ROW_ENTRIES = 1 << 22
 #: a sorted key packs a microbatch's work above its column, inverted so that equal works sort the lowest column last
 _COLUMN_BITS = 32
 _COLUMN_MASK = (1 << _COLUMN_BITS) - 1
@@ -92,8 +94,19 @@ class _RunRows:
         self.lcp = space.lcp
         self.pairs = space.pair_table()
         self.firsts, self.lasts = firsts.tolist(), lasts.tolist()
+        # rows are kept for the other lanes while all of them together stay small
+        self.rows: dict[int, list[int]] = {}
+        self.keep = int((lasts - firsts + 1).sum()) <= KEPT_ROW_ENTRIES
 
     def __call__(self, x: int) -> list[int]:
+        row = self.rows.get(x)
+        if row is None:
+            row = self._row(x)
+            if self.keep:
+                self.rows[x] = row
+        return row
+
+    def _row(self, x: int) -> list[int]:
         first, last = self.firsts[x], self.lasts[x]
         if self.pairs is not None:
             return self.pairs[x, first : last + 1].tolist()
@@ -118,22 +131,24 @@ def _place_lane(order: list[int], max_shared: bool, capacity: int, lengths: list
     for x in order:
         length, run = lengths[x], run_of[x] - 1
         offsets, columns = placed_offsets[run], placed_columns[run]
-        # column -> tokens shared with x, for every column with a member in x's run: the most x shares with one of them
+        # column -> tokens shared with x, for every column with a member in x's run that can take x: the most x
+        # shares with one of its members. A column that cannot take x with what it shares cannot take it sharing
+        # only the floor either, so the bisection below never returns it: it is left out
         shared: dict[int, int] = {}
         if offsets:
-            row = run_rows(x)
+            row, slack = run_rows(x), capacity - length
             for offset, column in zip(offsets, columns):
-                if row[offset] > shared.get(column, -1):
-                    shared[column] = row[offset]
+                tokens = row[offset]
+                if tokens + slack >= works[column] and tokens > shared.get(column, -1):
+                    shared[column] = tokens
         choice, best = -1, None
         for column, tokens in shared.items():
             after = works[column] + length - tokens
-            if after <= capacity:
-                rank_key = (tokens, after, -column) if max_shared else (after, -column)
-                if best is None or rank_key > best:
-                    choice, best = column, rank_key
+            rank_key = (tokens, after, -column) if max_shared else (after, -column)
+            if best is None or rank_key > best:
+                choice, best = column, rank_key
         if choice < 0 or not max_shared:
-            # the heaviest column sharing only the floor that still fits; skip those of the run (counted above)
+            # the heaviest column sharing only the floor that still fits; skip those of the run (evaluated above)
             position = bisect_right(keys, ((capacity - length + floor) << _COLUMN_BITS) | _COLUMN_MASK) - 1
             while position >= 0 and _COLUMN_MASK - (keys[position] & _COLUMN_MASK) in shared:
                 position -= 1
