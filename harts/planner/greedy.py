@@ -185,8 +185,41 @@ def _placed_packing(space: RankSpace, capacity: int, labels: np.ndarray, works: 
     """The packing of a finished placement: ``labels`` by rank, ``works`` by column (every column opened)."""
     dtype = np.int16 if space.size < np.iinfo(np.int16).max else np.int32
     # room for a few more microbatches (DP alignment opens some) before the tables grow
-    before, after = _neighbour_tables_from_labels(labels, len(works) + 8, dtype)
+    before, after = neighbour_tables_by_column(labels, len(works) + 8, dtype)
     return Packing(space, capacity, before, after, np.append(works, np.zeros(8, dtype=np.int64)), len(works), labels)
+
+
+def neighbour_tables_by_column(labels: np.ndarray, columns: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_neighbour_tables_from_labels` built column by column (``(columns, N)`` arrays of the same values).
+
+    A column's ``before`` row is -1 up to its first member, then each member repeated up to the next one;
+    its ``after`` row each member repeated over the ranks below it down to the previous one, then N: one
+    ``np.repeat`` for every column at once instead of a cumulative extremum over every rank and column.
+    """
+    n = labels.size
+    members = np.lexsort((np.arange(n), labels))  # by (column, rank)
+    column_of = labels[members]
+    counts = np.bincount(labels, minlength=columns)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    position = np.arange(n)
+    first = position == starts[column_of]
+    last = position == starts[column_of + 1] - 1
+    empty = counts == 0
+    lowest = np.where(empty, n, members[np.minimum(starts[:-1], max(n - 1, 0))] if n else n)
+    highest = np.where(empty, 0, members[np.maximum(starts[1:] - 1, 0)] if n else 0)
+    values = np.empty(n + columns, dtype=dtype)
+    repeats = np.empty(n + columns, dtype=np.int64)
+    # before: per column a head of -1, then its members
+    head, member = starts[:-1] + np.arange(columns), position + column_of + 1
+    values[head], repeats[head] = -1, np.where(empty, n, lowest + 1)
+    values[member], repeats[member] = members, np.where(last, n - 1 - members, np.append(members[1:], n)[:n] - members)
+    before = np.repeat(values, repeats).reshape(columns, n)
+    # after: per column its members, then a tail of N
+    member, tail = position + column_of, starts[1:] + np.arange(columns)
+    values[member], repeats[member] = members, members - np.where(first, 0, np.append(0, members[:-1])[:n])
+    values[tail], repeats[tail] = n, np.where(empty, n, n - highest)
+    after = np.repeat(values, repeats).reshape(columns, n)
+    return before, after
 
 
 def _neighbour_tables_from_labels(labels: np.ndarray, columns: int, dtype) -> tuple[np.ndarray, np.ndarray]:

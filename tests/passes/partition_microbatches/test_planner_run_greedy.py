@@ -124,3 +124,15 @@ def test_placement_stops_only_past_the_half_full_limit(trajectories, capacity):
             assert placed is None
         else:
             assert placed[0].tolist() == labels.tolist() and placed[1].tolist() == works.tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_neighbour_tables_by_column_equal_the_cumulative_ones(data):
+    columns = data.draw(st.integers(1, 12))
+    labels = np.array(data.draw(st.lists(st.integers(0, columns - 1), min_size=1, max_size=40)), dtype=np.int64)
+    for dtype in (np.int16, np.int32):
+        want_before, want_after = greedy._neighbour_tables_from_labels(labels, columns, dtype)
+        got_before, got_after = greedy.neighbour_tables_by_column(labels, columns, dtype)
+        assert got_before.dtype == want_before.dtype and got_before.shape == want_before.shape == (columns, labels.size)
+        assert np.array_equal(got_before, want_before) and np.array_equal(got_after, want_after)
