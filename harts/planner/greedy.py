@@ -457,16 +457,23 @@ def place_pieces(space: RankSpace, capacity: int, starts: np.ndarray, policy: st
                       np.zeros(columns, dtype=np.int64), 0, np.full(n, -1, dtype=np.int64))
     scale = np.int64(capacity) + 1
     pairs = space.pair_table()
+    # a piece that is a whole prefix run (a whole tree, in the unit partition) shares exactly the floor with every
+    # nonempty microbatch, whatever its neighbours there (see RankSpace.prefix_runs), so Eq. 10 is work - floor
+    floor, run_firsts, run_lasts = space.prefix_runs()
+    whole_run = ((run_firsts[starts] == starts) & (run_lasts[starts] == ends)).tolist()
     for piece in np.lexsort((starts, -works)).tolist():
         first, last, work = int(starts[piece]), int(ends[piece]), int(works[piece])
         if packing.used:
-            below = packing.before[: packing.used, first].astype(np.int64)
-            above = packing.after[: packing.used, last].astype(np.int64)
-            if pairs is not None:  # Eq. 10 for the piece: LCP(p, a), LCP(b, q), LCP(p, q) from the pair table
-                delta = work - pairs[first, below].astype(np.int64) - pairs[last, above] + pairs[below, above]
+            if whole_run[piece]:
+                delta = np.full(packing.used, work - floor, dtype=np.int64)
             else:
-                delta = (work - space.range_min(below + 1, np.full_like(below, first))
-                         - space.range_min(np.full_like(above, last + 1), above) + space.range_min(below + 1, above))
+                below = packing.before[: packing.used, first].astype(np.int64)
+                above = packing.after[: packing.used, last].astype(np.int64)
+                if pairs is not None:  # Eq. 10 for the piece: LCP(p, a), LCP(b, q), LCP(p, q) from the pair table
+                    delta = work - pairs[first, below].astype(np.int64) - pairs[last, above] + pairs[below, above]
+                else:
+                    delta = (work - space.range_min(below + 1, np.full_like(below, first))
+                             - space.range_min(np.full_like(above, last + 1), above) + space.range_min(below + 1, above))
             work_after = packing.work[: packing.used] + delta
             feasible = work_after <= capacity
             if feasible.any():

@@ -136,3 +136,23 @@ def test_neighbour_tables_by_column_equal_the_cumulative_ones(data):
         got_before, got_after = greedy.neighbour_tables_by_column(labels, columns, dtype)
         assert got_before.dtype == want_before.dtype and got_before.shape == want_before.shape == (columns, labels.size)
         assert np.array_equal(got_before, want_before) and np.array_equal(got_after, want_after)
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompted_forests(), st.integers(4, 70))
+def test_whole_run_pieces_are_placed_as_by_eq_10(trajectories, capacity):
+    from harts.planner import contiguous
+
+    index = compressed_index(trajectories)
+    assume(index.lengths.max() <= capacity)
+    n = index.size
+    for partition in ("natural", "units"):
+        for policy in greedy.POLICIES:
+            space = RankSpace(index)
+            starts = (contiguous.natural_partition if partition == "natural" else contiguous.unit_partition)(space, capacity)
+            got = greedy.place_pieces(space, capacity, starts, policy)
+            with pytest.MonkeyPatch.context() as patch:  # no piece is a whole run: Eq. 10 through the LCPs everywhere
+                patch.setattr(space, "prefix_runs", lambda: (0, np.arange(n), np.arange(n) - 1))
+                want = greedy.place_pieces(space, capacity, starts, policy)
+            assert got.used == want.used and got.labels.tolist() == want.labels.tolist()
+            assert got.work[: got.used].tolist() == want.work[: want.used].tolist()
