@@ -237,6 +237,11 @@ def _pool(space: RankSpace, capacity: int, labels: np.ndarray, works: np.ndarray
         pool.add(source, target, first[run], last[run], *none, new_u, new_v, free & (new_v <= capacity))
         # a swap that saves no work changes J2 or L only through a slot's heaviest or lightest microbatch
         promising = np.flatnonzero(free & (saving_work | (change < 0) | pivotal[source] | pivotal[target]))
+        # a swap whose move alone saves no work is kept below only with a partner of the subtree's own tree, so the
+        # receiver must hold a member of that tree (``held``: every microbatch's trees, from the units); a move that
+        # fails this has no partner kept, and leaving it out spares its partner lookups (most of them, on free rounds)
+        promising = promising[(change[promising] < 0) | _holds(held, trees, target[promising],
+                                                                 tree_of_rank[layout.order[first[run[promising]]]])]
         if promising.size:
             pick, partner = nearest_runs(group, run_work, target[promising], run_work[run[promising]], count, reach)
             pick = promising[pick]
