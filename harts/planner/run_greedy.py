@@ -9,13 +9,17 @@ two ranks in one run have more. So for a trajectory ``x`` Eq. 10 takes only two 
 * a microbatch with no member in ``x``'s run shares exactly ``floor`` tokens with ``x``, so
   among those the best-fit choice is the heaviest one at most ``capacity - |x| + floor``: one
   bisection in the microbatches kept sorted by (work, lowest index);
-* a microbatch with a member in the run shares more, the LCP with its nearest members there;
-  one walk over the run (a running minimum of the adjacent LCPs outward from ``x``) finds
-  every such microbatch and what it shares.
+* a microbatch with a member in the run shares more: the most ``x`` shares with one of its
+  members there. One pass over the run's placed members, with ``x``'s row of LCPs inside the run
+  (from the pair table, or running minima of the adjacent LCPs without it), finds every such
+  microbatch that can still take ``x``; one that cannot, cannot take it sharing only the floor
+  either, so the bisection never returns it.
 
-A step then costs the run's size and a bisection instead of the lockstep's array operations over
-every open microbatch, and the lanes run one by one in plain Python. The walk is bounded by
-:data:`RUN_LIMIT`; a batch with a larger run keeps the lockstep (``harts.planner.greedy``).
+A step then costs the run's placed members and a bisection instead of the lockstep's array
+operations over every open microbatch, and the lanes run one by one in plain Python. Runs are
+bounded by :data:`RUN_LIMIT`; a batch with a larger run keeps the lockstep (``harts.planner.greedy``).
+A lane can be stopped once it has more microbatches over half full than a given bound
+(:func:`harts.planner.greedy.greedy_choice` uses that to drop lanes that cannot be preselected).
 Lanes that must give the same plan are placed once: equal orders (the longest-first and
 unique-suffix orders coincide when nothing is shared beyond the floor) and, when no run holds
 two trajectories, both policies (every open microbatch then shares exactly ``floor`` tokens,
@@ -30,7 +34,7 @@ import numpy as np
 
 from harts.planner.ranks import RankSpace
 
-#: the largest run (trajectories) the walk handles; larger runs keep the lockstep placement
+#: the largest run (trajectories) the lane placement handles; larger runs keep the lockstep placement
 RUN_LIMIT = 256
 #: the LCP rows of a batch's runs are kept across lanes when they hold at most this many entries together
 KEPT_ROW_ENTRIES = 1 << 22
