@@ -168,17 +168,26 @@ def _sharing_range(space: RankSpace, ranks: np.ndarray, threshold: np.ndarray, u
     ``LCP(r, x) = min(lcp[r+1..x])`` only falls as ``r`` moves away from ``x``, so a binary search
     on range minima finds the end of the range. The range is empty exactly when the adjacent rank
     already shares no more than ``threshold`` (on batches without sharing, every range); only the
-    nonempty ones are searched, and each step only those still open.
+    nonempty ones are searched, and each step only those still open. Ranks outside the rank's prefix run
+    share exactly ``floor`` (:meth:`RankSpace.prefix_runs`): below ``floor`` the range is the whole batch on
+    that side, else it ends inside the run, so the search spans the run only.
     """
     n = space.size
+    floor, run_firsts, run_lasts = space.prefix_runs()
     result = ranks.copy()
     if upward:
         neighbour_lcp = space.lcp[np.minimum(ranks + 1, n - 1)]
         searching = np.flatnonzero((ranks < n - 1) & (neighbour_lcp > threshold))
-        low, high = ranks[searching] + 1, np.full(searching.size, n - 1)  # answer in [low, high]
+        everything = threshold[searching] < floor
+        result[searching[everything]] = n - 1
+        searching = searching[~everything]
+        low, high = ranks[searching] + 1, run_lasts[ranks[searching]]  # answer in [low, high]
     else:
         searching = np.flatnonzero((ranks > 0) & (space.lcp[ranks] > threshold))
-        low, high = np.zeros(searching.size, dtype=ranks.dtype), ranks[searching] - 1
+        everything = threshold[searching] < floor
+        result[searching[everything]] = 0
+        searching = searching[~everything]
+        low, high = run_firsts[ranks[searching]], ranks[searching] - 1
     anchors, bound = ranks[searching], threshold[searching]
     while searching.size:
         if upward:

@@ -47,6 +47,7 @@ class RankSpace:
         self._floor_log2 = np.frexp(np.arange(n + 2, dtype=np.float64))[1].astype(np.int64) - 1
         self._pair_table: np.ndarray | None = None
         self._pair_table_built = False
+        self._prefix_runs: tuple[int, np.ndarray, np.ndarray] | None = None
         #: subtree runs of member sets, kept by the subtree exchange and slot balancing
         self.subtree_cache: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -86,7 +87,10 @@ class RankSpace:
     def prefix_runs(self) -> tuple[int, np.ndarray, np.ndarray]:
         """``floor``, the smallest adjacent LCP, and by rank the first and last rank of the rank's *run*: the ranks
         are cut wherever the adjacent LCP equals ``floor``. Ranks of different runs have LCP exactly ``floor`` (a cut
-        lies between them and no adjacent LCP is smaller); ranks of one run have more."""
+        lies between them and no adjacent LCP is smaller); ranks of one run have more. Computed once (the arrays are
+        shared: read them only)."""
+        if self._prefix_runs is not None:
+            return self._prefix_runs
         n = self.size
         floor = int(self.lcp[1:].min()) if n > 1 else 0
         cut = np.ones(n, dtype=bool)
@@ -94,7 +98,8 @@ class RankSpace:
         firsts = np.flatnonzero(cut)
         lasts = np.append(firsts[1:] - 1, n - 1)
         run = np.cumsum(cut) - 1
-        return floor, firsts[run], lasts[run]
+        self._prefix_runs = floor, firsts[run], lasts[run]
+        return self._prefix_runs
 
     def _pair_table_by_runs(self, dtype) -> np.ndarray | None:
         """:meth:`pair_table`'s table as ``floor`` everywhere but the runs' diagonal blocks (one vectorised range-minimum

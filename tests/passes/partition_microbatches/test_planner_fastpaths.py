@@ -208,15 +208,15 @@ def test_scalar_boundary_refinement_equals_the_array_version(trajectories, capac
 
 # --------------------------------------------------------------------------- sharing ranges (subtree exchange)
 @settings(max_examples=60, deadline=None)
-@given(forests(max_trajectories=16), st.data())
-def test_sharing_range_is_the_farthest_rank_sharing_more(trajectories, data):
+@given(forests(max_trajectories=16), st.lists(st.integers(0, 9), max_size=5), st.data())
+def test_sharing_range_is_the_farthest_rank_sharing_more(trajectories, prompt, data):
     from harts.planner.exchange import _sharing_range
 
-    index = compressed_index(trajectories)
+    index = compressed_index([prompt + trajectory for trajectory in trajectories])  # a prompt: a floor above 0
     space = RankSpace(index)
     n = index.size
     ranks_ = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=12)), dtype=np.int64)
-    threshold = np.array(data.draw(st.lists(st.integers(-1, 40), min_size=ranks_.size, max_size=ranks_.size)), dtype=np.int64)
+    threshold = np.array(data.draw(st.lists(st.integers(-1, 45), min_size=ranks_.size, max_size=ranks_.size)), dtype=np.int64)
     for upward in (False, True):
         got = _sharing_range(space, ranks_, threshold, upward)
         for rank, bound, end in zip(ranks_.tolist(), threshold.tolist(), got.tolist()):
