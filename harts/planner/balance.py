@@ -237,13 +237,19 @@ def _pool(space: RankSpace, capacity: int, labels: np.ndarray, works: np.ndarray
         pool.add(source, target, first[run], last[run], *none, new_u, new_v, free & (new_v <= capacity))
         # a swap that saves no work changes J2 or L only through a slot's heaviest or lightest microbatch
         promising = np.flatnonzero(free & (saving_work | (change < 0) | pivotal[source] | pivotal[target]))
+        # a swap whose move alone saves no work is kept below only with a partner of the subtree's own tree, so the
+        # receiver must hold a member of that tree (``held``: every microbatch's trees, from the units); a move that
+        # fails this has no partner kept, and leaving it out spares its partner lookups (most of them, on free rounds)
+        promising = promising[(change[promising] < 0) | _holds(held, trees, target[promising],
+                                                                 tree_of_rank[layout.order[first[run[promising]]]])]
         if promising.size:
             pick, partner = nearest_runs(group, run_work, target[promising], run_work[run[promising]], count, reach)
             pick = promising[pick]
             mine = run[pick]
             keep = change[pick] < 0
-            keep |= space.lcp_between(np.minimum(layout.order[first[mine]], layout.order[first[partner]]),
-                                      np.maximum(layout.order[first[mine]], layout.order[first[partner]])) > floor
+            # two ranks share more than ``floor`` exactly when they are of one tree (no adjacent LCP of ``floor``
+            # between them): a lookup instead of a pairwise LCP per swap
+            keep |= tree_of_rank[layout.order[first[mine]]] == tree_of_rank[layout.order[first[partner]]]
             mine, partner = mine[keep], partner[keep]
             u, v = group[mine], group[partner]
             new_u, new_v, fits = _swap_works(layout, works, u, v, first[mine], last[mine], first[partner], last[partner],
@@ -299,11 +305,11 @@ def balance_slots(space: RankSpace, capacity: int, labels: np.ndarray, dp_size: 
         if useful.size == 0:
             break
         ranked = useful[np.lexsort((d[useful], c[useful], b[useful], a[useful], -after_low[useful], after[useful], change[useful]))]
-        touched = np.zeros(count, dtype=bool)
+        touched = [False] * count
         applied = 0
         tries = count
-        for k in ranked.tolist():
-            first_group, second_group = int(u[k]), int(v[k])
+        # most entries are skipped for a microbatch an earlier change touched: plain lists, no numpy scalar per entry
+        for k, first_group, second_group in zip(ranked.tolist(), u[ranked].tolist(), v[ranked].tolist()):
             if touched[first_group] or touched[second_group]:
                 continue
             if tries == 0:

@@ -143,7 +143,7 @@ def subtree_runs(layout: Layout) -> tuple[np.ndarray, np.ndarray]:
     starts = layout.starts.tolist()
     order = layout.order
     adjacent = layout.adjacent
-    firsts, lasts = [], []
+    firsts, lasts, offsets, counts = [], [], [], []
     for group in range(len(starts) - 1):
         low, high = starts[group], starts[group + 1]
         key = order[low:high].tobytes()
@@ -151,38 +151,58 @@ def subtree_runs(layout: Layout) -> tuple[np.ndarray, np.ndarray]:
         if runs is None:
             runs = cache[key] = _group_subtrees(adjacent[low : high - 1].tolist(), high - low)
         if runs[0].size:
-            firsts.append(runs[0] + low)
-            lasts.append(runs[1] + low)
+            firsts.append(runs[0])
+            lasts.append(runs[1])
+            offsets.append(low)
+            counts.append(runs[0].size)
     if not firsts:
         return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
-    return np.concatenate(firsts), np.concatenate(lasts)
+    # cached positions are relative to the group's first member: shift them all at once
+    shift = np.repeat(np.array(offsets, dtype=np.int64), counts)
+    return np.concatenate(firsts) + shift, np.concatenate(lasts) + shift
 
 
 def _sharing_range(space: RankSpace, ranks: np.ndarray, threshold: np.ndarray, upward: bool) -> np.ndarray:
     """The farthest rank on one side of each rank whose LCP with it exceeds ``threshold`` (the rank itself if none).
 
     ``LCP(r, x) = min(lcp[r+1..x])`` only falls as ``r`` moves away from ``x``, so a binary search
-    on range minima finds the end of the range.
+    on range minima finds the end of the range. The range is empty exactly when the adjacent rank
+    already shares no more than ``threshold`` (on batches without sharing, every range); only the
+    nonempty ones are searched, and each step only those still open. Ranks outside the rank's prefix run
+    share exactly ``floor`` (:meth:`RankSpace.prefix_runs`): below ``floor`` the range is the whole batch on
+    that side, else it ends inside the run, so the search spans the run only.
     """
     n = space.size
+    floor, run_firsts, run_lasts = space.prefix_runs()
+    result = ranks.copy()
     if upward:
-        low, high = ranks.copy(), np.full_like(ranks, n - 1)  # answer in [low, high]
+        neighbour_lcp = space.lcp[np.minimum(ranks + 1, n - 1)]
+        searching = np.flatnonzero((ranks < n - 1) & (neighbour_lcp > threshold))
+        everything = threshold[searching] < floor
+        result[searching[everything]] = n - 1
+        searching = searching[~everything]
+        low, high = ranks[searching] + 1, run_lasts[ranks[searching]]  # answer in [low, high]
     else:
-        low, high = np.zeros_like(ranks), ranks.copy()
-    while True:
-        active = low < high
-        if not active.any():
-            return low
+        searching = np.flatnonzero((ranks > 0) & (space.lcp[ranks] > threshold))
+        everything = threshold[searching] < floor
+        result[searching[everything]] = 0
+        searching = searching[~everything]
+        low, high = run_firsts[ranks[searching]], ranks[searching] - 1
+    anchors, bound = ranks[searching], threshold[searching]
+    while searching.size:
         if upward:
             middle = (low + high + 1) // 2
-            ok = (middle == ranks) | (space.lcp_between(ranks, middle) > threshold)
-            low = np.where(active & ok, middle, low)
-            high = np.where(active & ~ok, middle - 1, high)
+            ok = space.lcp_between(anchors, middle) > bound
+            low, high = np.where(ok, middle, low), np.where(ok, high, middle - 1)
         else:
             middle = (low + high) // 2
-            ok = (middle == ranks) | (space.lcp_between(middle, ranks) > threshold)
-            high = np.where(active & ok, middle, high)
-            low = np.where(active & ~ok, middle + 1, low)
+            ok = space.lcp_between(middle, anchors) > bound
+            low, high = np.where(ok, low, middle + 1), np.where(ok, middle, high)
+        done = low >= high
+        result[searching[done]] = low[done]
+        open_ = ~done
+        searching, low, high, anchors, bound = searching[open_], low[open_], high[open_], anchors[open_], bound[open_]
+    return result
 
 
 def sharing_receivers(space: RankSpace, labels: np.ndarray, layout: Layout, first: np.ndarray, last: np.ndarray,
@@ -320,10 +340,9 @@ def exchange_subtrees(space: RankSpace, capacity: int, labels: np.ndarray, round
             break
         gain, a_group, b_group, r_first, r_last, s_first, s_last, new_a, new_b = found
         ranked = np.lexsort((s_last, s_first, r_last, r_first, np.maximum(new_a, new_b), -gain))
-        used = np.zeros(count, dtype=bool)
+        used = [False] * count
         applied = 0
-        for c in ranked.tolist():
-            a, b = int(a_group[c]), int(b_group[c])
+        for c, a, b in zip(ranked.tolist(), a_group[ranked].tolist(), b_group[ranked].tolist()):
             if used[a] or used[b]:
                 continue
             used[a] = used[b] = True

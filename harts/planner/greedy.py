@@ -6,6 +6,9 @@ none). Evaluating Eq. 10 for one trajectory against all open microbatches is the
 gather from each table at the trajectory's rank and one vectorised range-minimum query;
 inserting or removing a member rewrites one slice of its microbatch's rows between its
 neighbours. The eight (order, policy) plans run in lockstep over one 3-D table each.
+When the batch's prefix runs are short (:mod:`harts.planner.run_greedy`, the usual case) the
+same placement runs lane by lane with one bisection and one walk over a run per step instead,
+and :func:`greedy_choice` finishes only the lanes that can be preselected.
 
 :func:`place_pieces` is the same placement with natural-partition intervals as the unit
 (an extension beyond the paper; see :mod:`harts.planner.search`).
@@ -18,6 +21,7 @@ import logging
 import attrs
 import numpy as np
 
+from harts.planner import run_greedy
 from harts.planner.ranks import RankSpace
 
 logger = logging.getLogger(__name__)
@@ -164,10 +168,58 @@ def place_all(space: RankSpace, capacity: int, lanes: list[tuple[np.ndarray, str
 
 
 def _place_group(space: RankSpace, capacity: int, lanes: list[tuple[np.ndarray, str]], columns: int) -> list[Packing]:
+    if run_greedy.runs_fit(space):
+        return _place_group_runs(space, capacity, lanes)
     pairs = space.pair_table()
     if pairs is None:
         return _place_group_ranges(space, capacity, lanes, columns)
     return _place_group_pairs(space, capacity, lanes, columns, pairs)
+
+
+def _place_group_runs(space: RankSpace, capacity: int, lanes: list[tuple[np.ndarray, str]]) -> list[Packing]:
+    """:func:`place_all` lane by lane over prefix runs (:mod:`harts.planner.run_greedy`; the same plans)."""
+    return [_placed_packing(space, capacity, labels, works) for labels, works in run_greedy.place_lanes(space, capacity, lanes)]
+
+
+def _placed_packing(space: RankSpace, capacity: int, labels: np.ndarray, works: np.ndarray) -> Packing:
+    """The packing of a finished placement: ``labels`` by rank, ``works`` by column (every column opened)."""
+    dtype = np.int16 if space.size < np.iinfo(np.int16).max else np.int32
+    # room for a few more microbatches (DP alignment opens some) before the tables grow
+    before, after = neighbour_tables_by_column(labels, len(works) + 8, dtype)
+    return Packing(space, capacity, before, after, np.append(works, np.zeros(8, dtype=np.int64)), len(works), labels)
+
+
+def neighbour_tables_by_column(labels: np.ndarray, columns: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_neighbour_tables_from_labels` built column by column (``(columns, N)`` arrays of the same values).
+
+    A column's ``before`` row is -1 up to its first member, then each member repeated up to the next one;
+    its ``after`` row each member repeated over the ranks below it down to the previous one, then N: one
+    ``np.repeat`` for every column at once instead of a cumulative extremum over every rank and column.
+    """
+    n = labels.size
+    members = np.lexsort((np.arange(n), labels))  # by (column, rank)
+    column_of = labels[members]
+    counts = np.bincount(labels, minlength=columns)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    position = np.arange(n)
+    first = position == starts[column_of]
+    last = position == starts[column_of + 1] - 1
+    empty = counts == 0
+    lowest = np.where(empty, n, members[np.minimum(starts[:-1], max(n - 1, 0))] if n else n)
+    highest = np.where(empty, 0, members[np.maximum(starts[1:] - 1, 0)] if n else 0)
+    values = np.empty(n + columns, dtype=dtype)
+    repeats = np.empty(n + columns, dtype=np.int64)
+    # before: per column a head of -1, then its members
+    head, member = starts[:-1] + np.arange(columns), position + column_of + 1
+    values[head], repeats[head] = -1, np.where(empty, n, lowest + 1)
+    values[member], repeats[member] = members, np.where(last, n - 1 - members, np.append(members[1:], n)[:n] - members)
+    before = np.repeat(values, repeats).reshape(columns, n)
+    # after: per column its members, then a tail of N
+    member, tail = position + column_of, starts[1:] + np.arange(columns)
+    values[member], repeats[member] = members, members - np.where(first, 0, np.append(0, members[:-1])[:n])
+    values[tail], repeats[tail] = n, np.where(empty, n, n - highest)
+    after = np.repeat(values, repeats).reshape(columns, n)
+    return before, after
 
 
 def _neighbour_tables_from_labels(labels: np.ndarray, columns: int, dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -405,16 +457,23 @@ def place_pieces(space: RankSpace, capacity: int, starts: np.ndarray, policy: st
                       np.zeros(columns, dtype=np.int64), 0, np.full(n, -1, dtype=np.int64))
     scale = np.int64(capacity) + 1
     pairs = space.pair_table()
+    # a piece that is a whole prefix run (a whole tree, in the unit partition) shares exactly the floor with every
+    # nonempty microbatch, whatever its neighbours there (see RankSpace.prefix_runs), so Eq. 10 is work - floor
+    floor, run_firsts, run_lasts = space.prefix_runs()
+    whole_run = ((run_firsts[starts] == starts) & (run_lasts[starts] == ends)).tolist()
     for piece in np.lexsort((starts, -works)).tolist():
         first, last, work = int(starts[piece]), int(ends[piece]), int(works[piece])
         if packing.used:
-            below = packing.before[: packing.used, first].astype(np.int64)
-            above = packing.after[: packing.used, last].astype(np.int64)
-            if pairs is not None:  # Eq. 10 for the piece: LCP(p, a), LCP(b, q), LCP(p, q) from the pair table
-                delta = work - pairs[first, below].astype(np.int64) - pairs[last, above] + pairs[below, above]
+            if whole_run[piece]:
+                delta = np.full(packing.used, work - floor, dtype=np.int64)
             else:
-                delta = (work - space.range_min(below + 1, np.full_like(below, first))
-                         - space.range_min(np.full_like(above, last + 1), above) + space.range_min(below + 1, above))
+                below = packing.before[: packing.used, first].astype(np.int64)
+                above = packing.after[: packing.used, last].astype(np.int64)
+                if pairs is not None:  # Eq. 10 for the piece: LCP(p, a), LCP(b, q), LCP(p, q) from the pair table
+                    delta = work - pairs[first, below].astype(np.int64) - pairs[last, above] + pairs[below, above]
+                else:
+                    delta = (work - space.range_min(below + 1, np.full_like(below, first))
+                             - space.range_min(np.full_like(above, last + 1), above) + space.range_min(below + 1, above))
             work_after = packing.work[: packing.used] + delta
             feasible = work_after <= capacity
             if feasible.any():
@@ -511,6 +570,42 @@ def greedy_plans(space: RankSpace, capacity: int, dp_size: int) -> list[GreedyPl
             continue
         plans.append(GreedyPlan(packing.canonical_labels(), packing.live_count, packing.total_work(), f"greedy/{order_name}/{policy}"))
     return plans
+
+
+def greedy_choice(space: RankSpace, capacity: int, dp_size: int) -> GreedyPlan | None:
+    """``preselect(greedy_plans(space, capacity, dp_size))``, finishing only the lanes that can win.
+
+    A microbatch more than half full is never dissolved by :func:`eliminate_small` and alignment only
+    adds microbatches, so a placement with ``h`` of them ends with at least ``h`` rounded up to a
+    multiple of D. Once a lane is finished with K microbatches (a multiple of D), a later lane that
+    gets more than K microbatches over half full cannot be preselected: its placement stops there
+    (works only grow while placing). A lane placed exactly as an earlier one gives the earlier one's
+    plan, which wins the tie. Neither is finished (placing and the neighbour tables are a lane's
+    cost), so the choice is the same. Batches with a run beyond :data:`run_greedy.RUN_LIMIT`
+    finish every lane.
+    """
+    if not run_greedy.runs_fit(space):
+        return preselect(greedy_plans(space, capacity, dp_size))
+    placer = run_greedy.RunPlacer(space, capacity)
+    best: GreedyPlan | None = None
+    seen: set = set()
+    for order_name in ORDERS:
+        order = processing_order(space, order_name)
+        for policy in POLICIES:
+            key = placer.key(order, policy)
+            if key in seen:
+                continue
+            seen.add(key)
+            placed = placer.place(order, policy, None if best is None else best.count)
+            if placed is None or placed[0].tobytes() in seen:
+                continue
+            seen.add(placed[0].tobytes())
+            packing = align_to_dp(eliminate_small(_placed_packing(space, capacity, *placed)), dp_size)
+            if packing is not None:
+                plan = GreedyPlan(packing.canonical_labels(), packing.live_count, packing.total_work(), f"greedy/{order_name}/{policy}")
+                if best is None or (plan.count, plan.total_work) < (best.count, best.total_work):
+                    best = plan
+    return best
 
 
 def piece_plans(space: RankSpace, capacity: int, dp_size: int, starts: np.ndarray, name: str = "pieces") -> list[GreedyPlan]:

@@ -17,6 +17,9 @@ from harts.ir.prefix_index import PrefixIndex
 
 #: the all-pairs LCP table is built only when it takes at most this many bytes
 PAIR_TABLE_BYTES = 64 << 20
+#: the all-pairs table is filled run by run (:meth:`RankSpace.prefix_runs`) when the runs' own pairs are at most this
+#: many per trajectory (runs of about this many trajectories or fewer), else row by row
+RUN_PAIRS_PER_TRAJECTORY = 256
 
 
 class RankSpace:
@@ -44,6 +47,7 @@ class RankSpace:
         self._floor_log2 = np.frexp(np.arange(n + 2, dtype=np.float64))[1].astype(np.int64) - 1
         self._pair_table: np.ndarray | None = None
         self._pair_table_built = False
+        self._prefix_runs: tuple[int, np.ndarray, np.ndarray] | None = None
         #: subtree runs of member sets, kept by the subtree exchange and slot balancing
         self.subtree_cache: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -53,15 +57,19 @@ class RankSpace:
         The table has ``N + 1`` rows and columns; row and column ``N`` are zero, so a missing
         neighbour encoded as ``N`` (successor) or ``-1`` (predecessor, which numpy reads as the
         last index) yields 0, as Eq. 10 requires. The diagonal holds each trajectory's length.
-        Built once per batch (one cumulative minimum per rank) when it fits
-        :data:`PAIR_TABLE_BYTES`; the greedy search, :meth:`lcp_between` and
-        :meth:`neighbour_shared` then read LCPs with one gather instead of range-minimum
-        queries (the results are the same either way).
+        Built once per batch when it fits :data:`PAIR_TABLE_BYTES`; the greedy search,
+        :meth:`lcp_between` and :meth:`neighbour_shared` then read LCPs with one gather
+        instead of range-minimum queries (the results are the same either way). When the
+        prefix runs are short (many trees sharing at most a common prompt, or no sharing) the
+        table is ``floor`` outside the runs' diagonal blocks, and is filled that way
+        (:meth:`_pair_table_by_runs`); else one cumulative minimum per rank and direction.
         """
         if not self._pair_table_built:
             n = self.size
             dtype = np.uint16 if self.lengths.max(initial=0) <= np.iinfo(np.uint16).max else np.int32
             if (n + 1) * (n + 1) * np.dtype(dtype).itemsize <= PAIR_TABLE_BYTES:
+                self._pair_table = self._pair_table_by_runs(dtype)
+            if self._pair_table is None and (n + 1) * (n + 1) * np.dtype(dtype).itemsize <= PAIR_TABLE_BYTES:
                 table = np.zeros((n + 1, n + 1), dtype=dtype)
                 lcp = self.lcp.astype(dtype)
                 # row by row, both halves written in place along the row: LCP(i, j) is the minimum of
@@ -75,6 +83,47 @@ class RankSpace:
                 self._pair_table = table
             self._pair_table_built = True
         return self._pair_table
+
+    def prefix_runs(self) -> tuple[int, np.ndarray, np.ndarray]:
+        """``floor``, the smallest adjacent LCP, and by rank the first and last rank of the rank's *run*: the ranks
+        are cut wherever the adjacent LCP equals ``floor``. Ranks of different runs have LCP exactly ``floor`` (a cut
+        lies between them and no adjacent LCP is smaller); ranks of one run have more. Computed once (the arrays are
+        shared: read them only)."""
+        if self._prefix_runs is not None:
+            return self._prefix_runs
+        n = self.size
+        floor = int(self.lcp[1:].min()) if n > 1 else 0
+        cut = np.ones(n, dtype=bool)
+        cut[1:] = self.lcp[1:] <= floor
+        firsts = np.flatnonzero(cut)
+        lasts = np.append(firsts[1:] - 1, n - 1)
+        run = np.cumsum(cut) - 1
+        self._prefix_runs = floor, firsts[run], lasts[run]
+        return self._prefix_runs
+
+    def _pair_table_by_runs(self, dtype) -> np.ndarray | None:
+        """:meth:`pair_table`'s table as ``floor`` everywhere but the runs' diagonal blocks (one vectorised range-minimum
+        query for all their pairs), or None when the runs are too long for that to be cheaper."""
+        n = self.size
+        floor, firsts, lasts = self.prefix_runs()
+        sizes = lasts - firsts + 1  # by rank: its run's length
+        if int(sizes.sum()) > RUN_PAIRS_PER_TRAJECTORY * n:
+            return None
+        table = np.full((n + 1, n + 1), floor, dtype=dtype)
+        table[n], table[:, n] = 0, 0
+        heads = np.flatnonzero((firsts == np.arange(n)) & (sizes > 1))
+        if heads.size:
+            # every (row, column) pair of every run of two or more, row by row
+            counts = sizes[heads] ** 2
+            head = np.repeat(heads, counts)
+            size = np.repeat(sizes[heads], counts)
+            within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+            rows, columns = head + within // size, head + within % size
+            low, high = np.minimum(rows, columns), np.maximum(rows, columns)
+            values = self.range_min(low + 1, np.maximum(high, low + 1))
+            table[rows, columns] = values
+        table[np.arange(n), np.arange(n)] = self.lengths
+        return table
 
     # ------------------------------------------------------------------ scalar
     def interval_work(self, a: int, b: int) -> int:

@@ -95,13 +95,17 @@ def slot_sums_after(works: Sequence[int], dp_size: int, first: np.ndarray, first
     # a new work is inserted after every work strictly greater than it
     t1 = np.searchsorted(-values, -first_new, side="left")
     t2 = np.searchsorted(-values, -second_new, side="left")
-    events = np.stack([p1 + 1, p2 + 1, t1, t2], axis=1)  # where each removal / insertion starts shifting
-    steps = np.array([-1, -1, 1, 1])
-    sort = np.argsort(events, axis=1, kind="stable")
-    events = np.take_along_axis(events, sort, axis=1)
-    rows = events.shape[0]
-    bounds = np.concatenate([np.zeros((rows, 1), dtype=np.int64), events, np.full((rows, 1), count)], axis=1)
-    shift = np.concatenate([np.zeros((rows, 1), dtype=np.int64), np.cumsum(steps[sort], axis=1)], axis=1)
+    # where each removal / insertion starts shifting, sorted per change by a four-input sorting network (whole
+    # columns, no per-row sort); the column (0, 1: removals, 2, 3: insertions) rides in the low bits. Equal events
+    # bound an empty segment, so their order is immaterial
+    events = [(p1 + 1) << 2, ((p2 + 1) << 2) | 1, (t1 << 2) | 2, (t2 << 2) | 3]
+    for i, j in ((0, 1), (2, 3), (0, 2), (1, 3), (1, 2)):
+        events[i], events[j] = np.minimum(events[i], events[j]), np.maximum(events[i], events[j])
+    # segment k runs from bounds[k] to bounds[k + 1] with every kept work shifted by shifts[k]
+    bounds = [0] + [event >> 2 for event in events] + [count]
+    shifts = [0]
+    for event in events:
+        shifts.append(shifts[-1] + np.where((event & 3) < 2, -1, 1))
     moved = [(t1 <= removed).astype(np.int64) + (t2 <= removed) - (p1 < removed) - (p2 < removed) for removed in (p1, p2)]
     second_ahead = (t2 < t1) | ((t2 == t1) & (second_new > first_new))
     index_first = t1 - (p1 < t1) - (p2 < t1) + second_ahead
@@ -109,8 +113,12 @@ def slot_sums_after(works: Sequence[int], dp_size: int, first: np.ndarray, first
     sums = []
     for rank_in_slot in ranks_in_slot:
         # a kept work at sorted position j lands at j + shift and counts when that is rank_in_slot modulo D
-        residue = (rank_in_slot - shift) % dp_size
-        total = (flat[residue * (count + 1) + bounds[:, 1:]] - flat[residue * (count + 1) + bounds[:, :-1]]).sum(axis=1)
+        # the prefix-sum row of each shift (at most two either way), looked up instead of a modulo per entry
+        rows_of_shift = (rank_in_slot - np.arange(-2, 3)) % dp_size * (count + 1)
+        total = np.zeros(first.shape, dtype=np.int64)
+        for k, shift in enumerate(shifts):
+            offset = rows_of_shift[2] if k == 0 else rows_of_shift.take(shift + 2)
+            total += flat.take(offset + bounds[k + 1]) - flat.take(offset + bounds[k])
         for removed, shifted in zip((p1, p2), moved):  # the segment sums above include the two removed works
             total -= np.where((removed + shifted) % dp_size == rank_in_slot, values[removed], 0)
         sums.append(total + np.where(index_first % dp_size == rank_in_slot, first_new, 0)

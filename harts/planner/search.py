@@ -264,7 +264,7 @@ def _base_stage(search: _Search) -> None:
 
 def _greedy_stage(search: _Search) -> None:
     if search.options.greedy:
-        search.greedy_choice = greedy.preselect(greedy.greedy_plans(search.space, search.options.capacity, search.options.dp_size))
+        search.greedy_choice = greedy.greedy_choice(search.space, search.options.capacity, search.options.dp_size)
 
 
 def _pieces_stage(search: _Search) -> None:

@@ -113,6 +113,17 @@ def test_pair_table_holds_every_pairwise_lcp(trajectories):
         space.range_min(ranks_, ranks_), space.range_min(ranks_ + 1, ranks_ + 1)).tolist()
 
 
+@settings(max_examples=40, deadline=None)
+@given(forests(), st.lists(st.integers(0, 9), max_size=5))
+def test_pair_table_by_runs_equals_row_by_row(trajectories, prompt):
+    index = compressed_index([prompt + trajectory for trajectory in trajectories])
+    by_runs = RankSpace(index).pair_table()
+    with pytest.MonkeyPatch.context() as patch:  # every run too long: the cumulative minima fill it
+        patch.setattr(ranks, "RUN_PAIRS_PER_TRAJECTORY", -1)
+        row_by_row = RankSpace(index).pair_table()
+    assert by_runs.dtype == row_by_row.dtype and np.array_equal(by_runs, row_by_row)
+
+
 def test_pair_table_is_skipped_above_the_memory_budget(monkeypatch):
     monkeypatch.setattr(ranks, "PAIR_TABLE_BYTES", 0)
     index = compressed_index([[1, 2, 3], [1, 2, 4], [5]])
@@ -193,3 +204,26 @@ def test_scalar_boundary_refinement_equals_the_array_version(trajectories, capac
         space, capacity, natural, list(range(1, index.size + 1)), "always").values())))
     got = contiguous.refine_boundaries(space, capacity, starts, window, 2)
     assert got.tolist() == reference_refine_boundaries(space, capacity, starts, window, 2).tolist()
+
+
+# --------------------------------------------------------------------------- sharing ranges (subtree exchange)
+@settings(max_examples=60, deadline=None)
+@given(forests(max_trajectories=16), st.lists(st.integers(0, 9), max_size=5), st.data())
+def test_sharing_range_is_the_farthest_rank_sharing_more(trajectories, prompt, data):
+    from harts.planner.exchange import _sharing_range
+
+    index = compressed_index([prompt + trajectory for trajectory in trajectories])  # a prompt: a floor above 0
+    space = RankSpace(index)
+    n = index.size
+    ranks_ = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=12)), dtype=np.int64)
+    threshold = np.array(data.draw(st.lists(st.integers(-1, 45), min_size=ranks_.size, max_size=ranks_.size)), dtype=np.int64)
+    for upward in (False, True):
+        got = _sharing_range(space, ranks_, threshold, upward)
+        for rank, bound, end in zip(ranks_.tolist(), threshold.tolist(), got.tolist()):
+            side = range(rank + 1, n) if upward else range(rank - 1, -1, -1)
+            want = rank
+            for other in side:  # LCPs only fall with rank distance: the range ends at the first that shares too little
+                if index.lcp_ranks(min(rank, other), max(rank, other)) <= bound:
+                    break
+                want = other
+            assert end == want
