@@ -153,13 +153,15 @@ def test_a_row_outside_the_layout_is_named_by_the_verifier_and_by_loading(name, 
 
 @settings(max_examples=15, deadline=None)
 @given(laid_out_plans(max_trajectories=10))
-def test_microbatches_laid_out_in_threads_are_the_ones_laid_out_one_by_one(plan):
-    import harts.codegen.layout as codegen_layout
-    import harts.threads
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(codegen_layout, "THREADED_TOKENS_PER_MICROBATCH", 0)  # every plan is laid out in threads
-        patch.setattr(harts.threads.os, "cpu_count", lambda: 4)
-        threaded = lay_out(plan.module)
-    assert threaded.layouts == tuple(build_layout(plan.module, mb.index) for mb in plan.module.microbatches)
-    verify(threaded)
+def test_microbatches_laid_out_together_are_the_ones_laid_out_alone_and_share_no_writable_memory(plan):
+    """lay_out builds each array once over every microbatch and hands each layout its part (a view): a layout must
+    be the one its microbatch gets alone, and no write through any layout array may reach another layout."""
+    together = lay_out(plan.module)
+    assert together.layouts == tuple(build_layout(plan.module, mb.index) for mb in plan.module.microbatches)
+    for layout in together.layouts:
+        for name in ARRAY_FIELDS:
+            array = getattr(layout, name)
+            assert not array.flags.writeable
+            with pytest.raises(ValueError):
+                array[...] = 0
+    verify(together)
