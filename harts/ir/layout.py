@@ -37,7 +37,7 @@ member trajectories):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -380,11 +380,14 @@ class MicrobatchLayout:
             raise PlanArtifactError(f"layout of microbatch {layout.microbatch}: {problem}")
         return layout
 
-    def structure_problem(self) -> str | None:
+    def structure_problem(self, row_extremes: Mapping[str, tuple[int, int]] | None = None) -> str | None:
         """What is structurally wrong (array sizes and offsets disagree), or None.
 
         Decoding tensors reports it as a damaged artifact; the ``laid_out`` verifier as a
-        broken invariant, before it checks the layout against the rounds.
+        broken invariant, before it checks the layout against the rounds. ``row_extremes``: the
+        least and largest entry of ``trajectory_rows`` and ``ancestor_rows`` (None for an empty
+        array) when the caller has them (the verifier reads them off its scan of those arrays), so
+        that these long arrays are not read again here.
         """
         rows, sequences, exports = self.num_rows, self.num_sequences, self.num_exports
         for name in ("row_position", "row_multiplicity"):
@@ -404,9 +407,14 @@ class MicrobatchLayout:
             if offsets.shape[0] != size + 1 or size < 0 or offsets[0] != 0 or offsets[-1] != total or np.any(np.diff(offsets) < 0):
                 return f"{name} is not a valid offset array over {total} entries"
         for name in ("trajectory_rows", "ancestor_rows"):
-            values = getattr(self, name)
-            # one pass over these long arrays: read as unsigned, a negative row is larger than any valid one
-            if values.size and int(values.view(np.uint64).max()) >= rows:
+            if row_extremes is not None:
+                extremes = row_extremes[name]
+                outside = extremes is not None and (extremes[0] < 0 or extremes[1] >= rows)
+            else:
+                values = getattr(self, name)
+                # one pass over these long arrays: read as unsigned, a negative row is larger than any valid one
+                outside = bool(values.size) and int(values.view(np.uint64).max()) >= rows
+            if outside:
                 return f"{name} holds a row outside [0, {rows})"
         if self.export_chunk.shape[0] != exports:
             return "export_chunk and export_position differ in length"

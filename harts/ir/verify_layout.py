@@ -86,12 +86,55 @@ def _grouped_offsets(lengths: np.ndarray, counts: np.ndarray) -> tuple[np.ndarra
     return out, bounds
 
 
-def _check_headers(module: Module, layouts: tuple) -> None:
+#: entries of a long array read per step of :func:`_breaks`: the step's temporaries stay in the core's cache
+_SCAN_BLOCK = 1 << 16
+
+#: the layout arrays checked as runs, and the step inside their runs: one row or token position per entry (1) or
+#: one value repeated over a sequence's or trie node's rows (0)
+_RUN_STEPS = {"trajectory_rows": 1, "ancestor_rows": 1, "row_position": 1, "row_trajectory": 0, "row_multiplicity": 0}
+
+
+def _breaks(values: np.ndarray, step: int) -> np.ndarray:
+    """The entries ``i`` where ``values[i] - values[i - 1] != step``: where ``values`` stops being one run.
+
+    The one read of a long array the verifier makes (its range and its runs are read off the breaks), a block
+    at a time into reused buffers: a whole-array difference would first write (and fault in) an array as long.
+    """
+    count = values.shape[0]
+    if count < 2:
+        return np.zeros(0, dtype=np.int64)
+    block = min(_SCAN_BLOCK, count - 1)
+    difference, broken = np.empty(block, dtype=np.int64), np.empty(block, dtype=bool)
+    found = []
+    for first in range(0, count - 1, block):
+        size = min(block, count - 1 - first)
+        np.subtract(values[first + 1:first + 1 + size], values[first:first + size], out=difference[:size])
+        np.not_equal(difference[:size], step, out=broken[:size])
+        found.append(np.flatnonzero(broken[:size]) + (first + 1))
+    return np.concatenate(found)
+
+
+def _extremes(values: np.ndarray, breaks: np.ndarray) -> tuple[int, int] | None:
+    """The least and largest entry of an array whose runs between ``breaks`` go up by 1 (None when empty): each
+    run's first and last entries."""
+    if not values.shape[0]:
+        return None
+    firsts = values[np.concatenate(([0], breaks))]
+    lasts = values[np.concatenate((breaks - 1, [values.shape[0] - 1]))]
+    return int(firsts.min()), int(lasts.max())
+
+
+def _check_headers(module: Module, layouts: tuple) -> list[dict[str, np.ndarray]]:
+    """Each layout's kind, structure, microbatch, chunk size and size; returns its arrays' breaks
+    (:func:`_breaks`, by name) for the run checks."""
+    all_breaks = []
     for microbatch, layout in zip(module.microbatches, layouts):
         where = f"microbatch {microbatch.index}"
         if not isinstance(layout, MicrobatchLayout):
             fail(f"{where}: expected a MicrobatchLayout, got {type(layout).__name__}")
-        problem = layout.structure_problem()
+        breaks = {name: _breaks(getattr(layout, name), step) for name, step in _RUN_STEPS.items()}
+        extremes = {name: _extremes(getattr(layout, name), breaks[name]) for name in ("trajectory_rows", "ancestor_rows")}
+        problem = layout.structure_problem(row_extremes=extremes)
         if problem is not None:
             fail(f"{where}: layout: {problem}")
         if (layout.microbatch, layout.chunk_size) != (microbatch.index, module.chunk_size):
@@ -101,6 +144,8 @@ def _check_headers(module: Module, layouts: tuple) -> None:
             )
         if layout.num_rows != microbatch.work:
             fail(f"{where}: the layout has {layout.num_rows} rows but the microbatch's work is {microbatch.work}")
+        all_breaks.append(breaks)
+    return all_breaks
 
 
 class _Rounds:
@@ -128,17 +173,19 @@ class _Rounds:
         self.spans = self.end - self.start
 
 
-def _wrong_run_entry(values: np.ndarray, starts: np.ndarray, firsts: np.ndarray, step: int) -> tuple[int, int] | None:
+def _wrong_run_entry(values: np.ndarray, breaks: np.ndarray, starts: np.ndarray, firsts: np.ndarray,
+                     step: int) -> tuple[int, int] | None:
     """The first entry (and the value expected there) where ``values`` is not the runs that begin at ``starts``
     (ascending, the first at 0) with the values ``firsts`` and go up by ``step`` per entry; None when it is.
 
-    One difference of neighbours, never the expected array itself: these arrays have an entry per layout row
-    or per semantic token."""
+    ``breaks``: where ``values`` stops going up by ``step`` (:func:`_breaks`): it is those runs when every
+    break is a run's start and every run starts at its value, so the expected array itself is never built
+    (these arrays have an entry per layout row or per semantic token). The first of those faults is the first
+    wrong entry: entries before it are right, so a run's first wrong entry breaks its step or starts it."""
     wrong_first = np.flatnonzero(values[starts] != firsts)
-    broken = np.diff(values) != step
-    broken[starts[1:] - 1] = False
-    wrong_step = np.flatnonzero(broken)
-    candidates = ([int(starts[wrong_first[0]])] if wrong_first.size else []) + ([int(wrong_step[0]) + 1] if wrong_step.size else [])
+    at = np.searchsorted(starts, breaks)
+    wrong_step = breaks[(at >= starts.shape[0]) | (starts[np.minimum(at, starts.shape[0] - 1)] != breaks)]
+    candidates = ([int(starts[wrong_first[0]])] if wrong_first.size else []) + ([int(wrong_step[0])] if wrong_step.size else [])
     if not candidates:
         return None
     entry = min(candidates)
@@ -146,14 +193,16 @@ def _wrong_run_entry(values: np.ndarray, starts: np.ndarray, firsts: np.ndarray,
     return entry, int(firsts[run]) + step * (entry - int(starts[run]))
 
 
-def _check_runs(k: int, name: str, values: np.ndarray, starts: np.ndarray, firsts: np.ndarray, step: int) -> None:
-    wrong = _wrong_run_entry(values, starts, firsts, step)
+def _check_runs(k: int, name: str, layout: MicrobatchLayout, breaks: dict[str, np.ndarray], starts: np.ndarray,
+                firsts: np.ndarray) -> None:
+    values = getattr(layout, name)
+    wrong = _wrong_run_entry(values, breaks[name], starts, firsts, _RUN_STEPS[name])
     if wrong is not None:
         entry, expected = wrong
         fail(f"microbatch {k}: layout field {name} differs from the rounds at entry {entry} ({int(values[entry])}, expected {expected})")
 
 
-def _check_sequences(flat: _Flat, rounds: _Rounds) -> None:
+def _check_sequences(flat: _Flat, rounds: _Rounds, breaks: list[dict[str, np.ndarray]]) -> None:
     """The layout's sequences are the rounds', in round order, their rows back to back."""
     flat.expect("trajectories", rounds.members, offsets_of(rounds.member_counts))
     flat.expect("trajectory_offsets", *_grouped_offsets(rounds.member_lengths, rounds.member_counts))
@@ -167,8 +216,8 @@ def _check_sequences(flat: _Flat, rounds: _Rounds) -> None:
     for k, layout in enumerate(flat.layouts):
         # sizes agree (the headers), and every sequence has rows (the rounds): each one starts a run
         starts = layout.seq_row_start[:-1]
-        _check_runs(k, "row_trajectory", layout.row_trajectory, starts, layout.seq_trajectory, 0)
-        _check_runs(k, "row_position", layout.row_position, starts, layout.seq_start, 1)
+        _check_runs(k, "row_trajectory", layout, breaks[k], starts, layout.seq_trajectory)
+        _check_runs(k, "row_position", layout, breaks[k], starts, layout.seq_start)
 
 
 class _Paths:
@@ -218,7 +267,7 @@ class _Pieces:
         self.bounds = offsets_of(per_sequence)[offsets_of(rounds.sequence_counts)]
 
 
-def _check_map(flat: _Flat, module: Module, rounds: _Rounds) -> None:
+def _check_map(flat: _Flat, module: Module, rounds: _Rounds, breaks: list[dict[str, np.ndarray]]) -> None:
     """Member i's position p maps to the row holding its prefix up to p; multiplicities count the members
     through each row; ancestor rows are the trajectory's rows before the sequence's start.
 
@@ -226,13 +275,13 @@ def _check_map(flat: _Flat, module: Module, rounds: _Rounds) -> None:
     (checked by ``verify_partitioned``) each map to one of the C rows, so no two rows share one. The map is
     compared run by run, a run being one trie node on one member's path: its rows are the node's rows, which
     are consecutive layout rows because sequences are chains of whole segments (an invariant of the rounds,
-    checked by ``verify_rounded``).
+    checked by ``verify_rounded``). Ancestor rows are compared run by run too, with the runs of the map.
     """
     paths = _Paths(module, rounds)
     pieces = _Pieces(paths, rounds)
+    ancestors = _AncestorRuns(paths, rounds)
     first_layout_row = np.full(len(module.trie.nodes), -1, dtype=np.int64)
     members_through = np.zeros(len(module.trie.nodes), dtype=np.int64)
-    sequence_bounds = offsets_of(rounds.sequence_counts)
     for k, layout in enumerate(flat.layouts):
         piece_nodes = pieces.node[pieces.bounds[k]:pieces.bounds[k + 1]]
         piece_rows = pieces.row[pieces.bounds[k]:pieces.bounds[k + 1]]
@@ -241,7 +290,7 @@ def _check_map(flat: _Flat, module: Module, rounds: _Rounds) -> None:
         tokens = paths.token[paths.bounds[k]:paths.bounds[k + 1]] - paths.token_bounds[k]
         runs = first_layout_row[nodes]
         rows = layout.trajectory_rows
-        wrong = _wrong_run_entry(rows, tokens, runs, 1)
+        wrong = _wrong_run_entry(rows, breaks[k]["trajectory_rows"], tokens, runs, 1)
         if wrong is not None:
             entry = wrong[0]
             member = int(np.searchsorted(layout.trajectory_offsets, entry, side="right")) - 1
@@ -250,24 +299,35 @@ def _check_map(flat: _Flat, module: Module, rounds: _Rounds) -> None:
                 f"{entry - int(layout.trajectory_offsets[member])} maps to layout row {int(rows[entry])}, which holds another token prefix"
             )
         np.add.at(members_through, nodes, 1)
-        _check_runs(k, "row_multiplicity", layout.row_multiplicity, piece_rows, members_through[piece_nodes], 0)
+        _check_runs(k, "row_multiplicity", layout, breaks[k], piece_rows, members_through[piece_nodes])
         members_through[nodes] = 0
         first_layout_row[piece_nodes] = -1  # the next microbatch must not see this one's rows
-        own_start = paths.sequence_member_start[sequence_bounds[k]:sequence_bounds[k + 1]] - paths.token_bounds[k]
-        _check_ancestors(k, layout, own_start)
+        # the map is right by now, so a sequence's ancestor rows are the map's runs of its member cut at its start
+        part = slice(ancestors.bounds[k], ancestors.bounds[k + 1])
+        _check_runs(k, "ancestor_rows", layout, breaks[k], ancestors.start[part] - ancestors.entry_bounds[k],
+                    runs[ancestors.pair[part] - paths.bounds[k]])
 
 
-def _check_ancestors(k: int, layout: MicrobatchLayout, own_start: np.ndarray) -> None:
-    """Sequence j's ancestor rows are its trajectory's rows at positions ``[0, start)``: compared slice by
-    slice (ancestor lists are long, often longer than the map m itself, so no index array is built)."""
-    ancestors, rows = layout.ancestor_rows, layout.trajectory_rows
-    offsets = layout.ancestor_offsets.tolist()
-    for sequence, (own, start) in enumerate(zip(own_start.tolist(), layout.seq_start.tolist())):
-        if start and not np.array_equal(ancestors[offsets[sequence]:offsets[sequence + 1]], rows[own:own + start]):
-            wrong = np.flatnonzero(ancestors[offsets[sequence]:offsets[sequence + 1]] != rows[own:own + start])
-            entry = offsets[sequence] + int(wrong[0])
-            fail(f"microbatch {k}: layout field ancestor_rows differs from the rounds at entry {entry} "
-                 f"({int(ancestors[entry])}, expected {int(rows[own + int(wrong[0])])})")
+class _AncestorRuns:
+    """Every sequence's ancestor positions ``[0, start)`` cut at trie node boundaries: one run per (sequence, trie
+    node), in ancestor-row order. ``pair``: the run's (member, node) pair of :class:`_Paths` (a run starts where
+    its pair does: ancestors begin at the path's root); ``start``: its first entry among all microbatches'
+    ancestor rows end to end; ``bounds``: each microbatch's runs; ``entry_bounds``: each microbatch's first entry."""
+
+    def __init__(self, paths: _Paths, rounds: _Rounds):
+        first = paths.sequence_member_start
+        prefix_end = first + rounds.start
+        # pairs ascend in token order: the pairs holding ancestors run from the member's first to the one holding start - 1
+        first_pair = np.searchsorted(paths.token, first, side="right") - 1
+        per_sequence = np.where(rounds.start > 0, np.searchsorted(paths.token, prefix_end - 1, side="right") - first_pair, 0)
+        self.pair = concatenated_ranges(first_pair, per_sequence)
+        sequence = np.repeat(np.arange(first.size), per_sequence)
+        token = paths.token[self.pair]
+        pair_end = token + (paths.end - paths.start)[paths.node[self.pair]]
+        lengths = np.minimum(pair_end, prefix_end[sequence]) - token
+        self.start = offsets_of(lengths)[:-1]
+        self.bounds = offsets_of(per_sequence)[offsets_of(rounds.sequence_counts)]
+        self.entry_bounds = offsets_of(rounds.start)[offsets_of(rounds.sequence_counts)]
 
 
 def _check_state_handoffs(flat: _Flat, module: Module, rounds: _Rounds) -> None:
@@ -317,8 +377,8 @@ def verify_laid_out(laid_out: LaidOutModule) -> None:
     if not isinstance(layouts, tuple) or len(layouts) != len(module.microbatches):
         count = len(layouts) if isinstance(layouts, tuple) else type(layouts).__name__
         fail(f"a laid-out module needs one layout per microbatch: {len(module.microbatches)} microbatches, {count} layouts")
-    _check_headers(module, layouts)
+    breaks = _check_headers(module, layouts)
     flat, rounds = _Flat(layouts), _Rounds(module)
-    _check_sequences(flat, rounds)
-    _check_map(flat, module, rounds)
+    _check_sequences(flat, rounds, breaks)
+    _check_map(flat, module, rounds, breaks)
     _check_state_handoffs(flat, module, rounds)

@@ -15,6 +15,8 @@ import re
 import attrs
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import harts
 from harts.errors import IRVerificationError
@@ -136,3 +138,49 @@ def test_verifying_against_a_verified_module_skips_the_unchanged_phases(stage, m
     verify(rounded)
     assert calls == [Phase.LOWERED, Phase.COMPRESSED, Phase.PARTITIONED, Phase.SCHEDULED, Phase.SEGMENTED, Phase.ROUNDED]
     assert np.all([mb.rounds is not None for mb in rounded.microbatches])
+
+
+#: the layout arrays the verifier reads once, a block at a time, and checks as runs (``_breaks``), with their messages
+_RUN_CHECKED = ("trajectory_rows", "ancestor_rows", "row_position", "row_trajectory", "row_multiplicity")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_changed_row_or_token_array_is_reported_at_its_first_wrong_entry(stage, data):
+    """The run checks read each long array once (its breaks, where it stops going up by its step) and never build
+    the expected array: whatever entries change, the message names the first one that differs from the layout
+    built, with the value found and the value the rounds need, as a whole-array comparison would."""
+    k = data.draw(st.integers(0, len(stage.layouts) - 1), label="microbatch")
+    layout = stage.layouts[k]
+    name = data.draw(st.sampled_from([f for f in _RUN_CHECKED if getattr(layout, f).size]), label="field")
+    good = getattr(layout, name)
+    values = good.copy()
+    entries = data.draw(st.lists(st.integers(0, values.size - 1), min_size=1, max_size=4, unique=True), label="entries")
+    for entry in entries:
+        values[entry] = data.draw(st.integers(0, layout.num_rows - 1).filter(lambda v, e=entry: v != good[e]), label="value")
+    first = min(entries)
+    with pytest.raises(IRVerificationError) as caught:
+        verify(_with(stage, k, **{name: values}))
+    if name == "trajectory_rows":
+        member = int(np.searchsorted(layout.trajectory_offsets, first, side="right")) - 1
+        expected = (f"microbatch {k}: trajectory {int(layout.trajectories[member])}, position "
+                    f"{first - int(layout.trajectory_offsets[member])} maps to layout row {int(values[first])}, which holds another token prefix")
+    else:
+        expected = (f"microbatch {k}: layout field {name} differs from the rounds at entry {first} "
+                    f"({int(values[first])}, expected {int(good[first])})")
+    assert str(caught.value) == expected
+
+
+@pytest.mark.parametrize("name", ["trajectory_rows", "ancestor_rows"])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("bad", [-1, "rows"])
+def test_a_row_outside_the_layout_is_a_structure_problem_wherever_it_is(stage, name, where, bad):
+    """The range of the map and of the ancestor rows is read off the same scan (each run's first and last entry):
+    a row out of range anywhere, inside a run or at either end of the array, is still named as before."""
+    k = _busiest(stage)
+    layout = stage.layouts[k]
+    values = getattr(layout, name).copy()
+    entry = {"first": 0, "middle": values.size // 2, "last": values.size - 1}[where]
+    values[entry] = -1 if bad == -1 else layout.num_rows
+    with pytest.raises(IRVerificationError, match=re.escape(f"microbatch {k}: layout: {name} holds a row outside [0, {layout.num_rows})")):
+        verify(_with(stage, k, **{name: values}))
