@@ -104,12 +104,14 @@ def _breaks(values: np.ndarray, step: int) -> np.ndarray:
     if count < 2:
         return np.zeros(0, dtype=np.int64)
     block = min(_SCAN_BLOCK, count - 1)
-    difference, broken = np.empty(block, dtype=np.int64), np.empty(block, dtype=bool)
+    expected, broken = np.empty(block, dtype=np.int64), np.empty(block, dtype=bool)
     found = []
     for first in range(0, count - 1, block):
         size = min(block, count - 1 - first)
-        np.subtract(values[first + 1:first + 1 + size], values[first:first + size], out=difference[:size])
-        np.not_equal(difference[:size], step, out=broken[:size])
+        previous = values[first:first + size]
+        if step:
+            previous = np.add(previous, step, out=expected[:size])
+        np.not_equal(values[first + 1:first + 1 + size], previous, out=broken[:size])
         found.append(np.flatnonzero(broken[:size]) + (first + 1))
     return np.concatenate(found)
 
