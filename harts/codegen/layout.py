@@ -7,10 +7,13 @@ grid, states exported by earlier rounds along the same prefix, each row output o
 checked by ``verify_rounded`` and guaranteed by ``plan_forest``; nothing here checks them again.
 
 Every microbatch is laid out at once: each array is one numpy expression over all microbatches'
-sequences, members or rows laid end to end, and each layout holds views of its own part (a
+sequences, members or trie paths laid end to end, and each layout holds its own part (a
 microbatch's layout is the same as laid out alone, :func:`build_layout`). Laying out microbatch
 by microbatch cost a few hundred small numpy calls per microbatch, most of a compile's layout
 time on batches of hundreds of microbatches, and the GIL they hold kept threads from helping.
+The long arrays (an entry per row or semantic token, :data:`~harts.ir.layout.RUNS_FIELDS`) are
+handed over as the runs they are made of (:class:`~harts.ir.layout.RunsArray`: a trie node's
+rows, a sequence's positions), expanded only when read: compiling never writes them.
 
 The layout data class lives with the IR (:mod:`harts.ir.layout`); it is re-exported here.
 """
@@ -29,6 +32,7 @@ from harts.ir.layout import (
     LAYOUT_FORMAT_VERSION,
     LaidOutModule,
     MicrobatchLayout,
+    RunsArray,
     concatenated_ranges,
     decode_arithmetic_runs,
     encode_arithmetic_runs,
@@ -125,25 +129,35 @@ class _Paths:
         self.node_count = node_count
 
 
-def _row_multiplicity(paths: _Paths, sequences: _Sequences) -> np.ndarray:
-    """q of every row, all microbatches' rows end to end: the members through the trie node the row belongs to.
+class _Runs:
+    """One long layout array of every microbatch as arithmetic runs end to end, and each microbatch's runs
+    (``bounds``): a microbatch's array is :class:`~harts.ir.layout.RunsArray` of its part, never expanded here."""
+
+    def __init__(self, starts: np.ndarray, step: int, lengths: np.ndarray, bounds: np.ndarray):
+        self.starts, self.lengths, self.bounds = starts, lengths, bounds
+        self.steps = np.full(starts.shape[0], step, dtype=np.int64)
+
+    def of(self, k: int) -> RunsArray:
+        part = slice(int(self.bounds[k]), int(self.bounds[k + 1]))
+        return RunsArray.from_runs(self.starts[part], self.steps[part], self.lengths[part])
+
+
+def _row_multiplicity(paths: _Paths, sequences: _Sequences) -> _Runs:
+    """q of every row: the members through the trie node the row belongs to, one run per used trie node.
 
     Every row is one position of one used trie node (each output once, by the rounds), so q is each used
-    node's member count repeated over its rows in row order: one pass over the rows instead of counting
-    the map m's entries (one per semantic token).
+    node's member count repeated over its rows in row order (the used nodes ordered by microbatch, then row).
     """
     through = np.bincount(paths.used, minlength=paths.used_keys.size)
-    nodes = paths.used_keys % paths.node_count
-    by_row = np.argsort(paths.used_rows + sequences.row_bounds[paths.used_keys // paths.node_count], kind="stable")
-    return np.repeat(through[by_row], (paths.node_end[nodes] - paths.node_start[nodes])[by_row])
+    microbatch, nodes = np.divmod(paths.used_keys, paths.node_count)
+    by_row = np.argsort(paths.used_rows + sequences.row_bounds[microbatch], kind="stable")
+    bounds = offsets_of(np.bincount(microbatch, minlength=sequences.bounds.size - 1))
+    return _Runs(through[by_row], 0, (paths.node_end[nodes] - paths.node_start[nodes])[by_row], bounds)
 
 
-def _ancestor_rows(paths: _Paths, sequences: _Sequences, trajectories: int) -> np.ndarray:
-    """Every sequence's ancestor rows (its trajectory's rows at positions ``[0, start)``), all laid end to end.
-
-    Built from the trie runs of its member's path cut at ``start``, not gathered from the map m: these lists
-    are often longer than m itself, and a gather would first build an index array as long.
-    """
+def _ancestor_rows(paths: _Paths, sequences: _Sequences, trajectories: int) -> _Runs:
+    """Every sequence's ancestor rows (its trajectory's rows at positions ``[0, start)``): the trie runs of its
+    member's path cut at ``start``, sequence after sequence."""
     # pairs ascend by (member, node start): a path runs root first; those starting before ``start`` hold the prefix
     span = int(paths.node_end.max(initial=0)) + 1
     keys = paths.owner * span + paths.node_start[paths.node]
@@ -153,7 +167,7 @@ def _ancestor_rows(paths: _Paths, sequences: _Sequences, trajectories: int) -> n
     pairs = concatenated_ranges(first, counts)
     nodes = paths.node[pairs]
     cut = np.minimum(paths.node_end[nodes], np.repeat(sequences.start, counts))
-    return concatenated_ranges(paths.row[pairs], cut - paths.node_start[nodes])
+    return _Runs(paths.row[pairs], 1, cut - paths.node_start[nodes], offsets_of(counts)[sequences.bounds])
 
 
 def _local_offsets(offsets: np.ndarray, first: int, last: int) -> np.ndarray:
@@ -165,27 +179,25 @@ def _lay_out_microbatches(module: Module, microbatches: Sequence[Microbatch]) ->
     """The layouts of ``microbatches`` (of a verified rounded module), each array built once over all of them."""
     sequences = _Sequences(microbatches)
     paths = _Paths(module, microbatches, sequences)
-    trajectory_rows = concatenated_ranges(paths.row, paths.length)
+    trajectory_rows = _Runs(paths.row, 1, paths.length, np.searchsorted(paths.owner, paths.member_bounds))
     ancestor_rows = _ancestor_rows(paths, sequences, len(module.trajectories))
-    row_trajectory = np.repeat(sequences.trajectory, sequences.spans)
-    row_position = concatenated_ranges(sequences.start, sequences.spans)
+    row_trajectory = _Runs(sequences.trajectory, 0, sequences.spans, sequences.bounds)
+    row_position = _Runs(sequences.start, 1, sequences.spans, sequences.bounds)
     row_multiplicity = _row_multiplicity(paths, sequences)
     ancestor_start = offsets_of(sequences.start)
     layouts = []
     for k, microbatch in enumerate(microbatches):
         first, last = int(sequences.bounds[k]), int(sequences.bounds[k + 1])
-        rows = slice(int(sequences.row_bounds[k]), int(sequences.row_bounds[k + 1]))
         member_first, member_last = int(paths.member_bounds[k]), int(paths.member_bounds[k + 1])
-        tokens = slice(int(paths.member_token_start[member_first]), int(paths.member_token_start[member_last]))
         layout = MicrobatchLayout(
             microbatch=microbatch.index,
             chunk_size=module.chunk_size,
             trajectories=paths.members[member_first:member_last],
             trajectory_offsets=_local_offsets(paths.member_token_start, member_first, member_last),
-            trajectory_rows=trajectory_rows[tokens],
-            row_trajectory=row_trajectory[rows],
-            row_position=row_position[rows],
-            row_multiplicity=row_multiplicity[rows],
+            trajectory_rows=trajectory_rows.of(k),
+            row_trajectory=row_trajectory.of(k),
+            row_position=row_position.of(k),
+            row_multiplicity=row_multiplicity.of(k),
             round_seq_start=offsets_of([len(round_.sequences) for round_ in microbatch.rounds]),
             seq_round=sequences.round[first:last],
             seq_trajectory=sequences.trajectory[first:last],
@@ -194,7 +206,7 @@ def _lay_out_microbatches(module: Module, microbatches: Sequence[Microbatch]) ->
             seq_replay_start=sequences.replay_start[first:last],
             seq_row_start=_local_offsets(sequences.row_start, first, last),
             ancestor_offsets=_local_offsets(ancestor_start, first, last),
-            ancestor_rows=ancestor_rows[int(ancestor_start[first]):int(ancestor_start[last])],
+            ancestor_rows=ancestor_rows.of(k),
             **state_handoffs(sequences.pairs[k], module.chunk_size),
         )
         if logger.isEnabledFor(logging.DEBUG):
@@ -223,6 +235,6 @@ def build_layout(module: Module, microbatch_index: int) -> MicrobatchLayout:
 
 def lay_out(module: Module) -> LaidOutModule:
     """The ``laid_out`` phase of a verified rounded module: one layout per microbatch, in order, all built at once
-    (each array a view of its microbatch's part of one array over all of them)."""
+    (each array its microbatch's part of one array, or of one list of runs, over all of them)."""
     _check_rounded(module)
     return LaidOutModule(module=module, layouts=tuple(_lay_out_microbatches(module, module.microbatches)))

@@ -31,12 +31,13 @@ import itertools
 
 import numpy as np
 
-from harts.ir.layout import ARRAY_FIELDS, LaidOutModule, MicrobatchLayout, concatenated_ranges, offsets_of
+from harts.ir.layout import ARRAY_FIELDS, RUNS_FIELDS, LaidOutModule, MicrobatchLayout, RunsArray, concatenated_ranges, offsets_of
 from harts.ir.nodes import Module, Phase
 from harts.ir.verify_common import fail
 
-#: arrays with one entry per row, semantic token or ancestor position: checked per microbatch, never concatenated
-_TOKEN_FIELDS = ("trajectory_rows", "ancestor_rows", "row_trajectory", "row_position", "row_multiplicity")
+#: arrays with one entry per row, semantic token or ancestor position: checked per microbatch as runs, never
+#: concatenated (nor expanded, when a layout holds them as runs)
+_TOKEN_FIELDS = RUNS_FIELDS
 
 
 class _Flat:
@@ -47,9 +48,9 @@ class _Flat:
         self.arrays: dict[str, np.ndarray] = {}
         self.bounds: dict[str, np.ndarray] = {}
         for name in ARRAY_FIELDS:
-            parts = [getattr(layout, name) for layout in layouts]
-            self.bounds[name] = offsets_of([part.shape[0] for part in parts])
+            self.bounds[name] = offsets_of([layout.array_length(name) for layout in layouts])
             if name not in _TOKEN_FIELDS:
+                parts = [getattr(layout, name) for layout in layouts]
                 self.arrays[name] = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def expect(self, name: str, expected: np.ndarray, expected_bounds: np.ndarray) -> None:
@@ -126,16 +127,48 @@ def _extremes(values: np.ndarray, breaks: np.ndarray) -> tuple[int, int] | None:
     return int(firsts.min()), int(lasts.max())
 
 
-def _check_headers(module: Module, layouts: tuple) -> list[dict[str, np.ndarray]]:
-    """Each layout's kind, structure, microbatch, chunk size and size; returns its arrays' breaks
-    (:func:`_breaks`, by name) for the run checks."""
+class _RunView:
+    """A long layout array as the checks read it: ``breaks``, the entries where it stops going up by ``step``
+    (the run checks need nothing else, besides a few entries' values: :meth:`at`), and ``extremes``.
+
+    Read off its runs when the layout holds it as runs of that step, as ``lay-out`` builds it (a run that just
+    continues the one before is no break); otherwise off one scan of the array (:func:`_breaks`).
+    """
+
+    def __init__(self, held: RunsArray, step: int):
+        self.step = step
+        runs = held.runs
+        if runs is not None and bool((runs[1] == step).all()):
+            self._array = None
+            self._starts, _, lengths = runs
+            self._offsets = offsets_of(lengths)
+            lasts = self._starts + step * (lengths - 1)
+            continues = self._starts[1:] - lasts[:-1] == step
+            self.breaks = self._offsets[1:-1][~continues]
+            self.extremes = (int(min(self._starts.min(), lasts.min())), int(max(self._starts.max(), lasts.max()))) \
+                if lengths.size else None
+        else:
+            self._array = held.array()
+            self.breaks = _breaks(self._array, step)
+            self.extremes = _extremes(self._array, self.breaks) if step == 1 else None
+
+    def at(self, entries: np.ndarray | int) -> np.ndarray | int:
+        if self._array is not None:
+            return self._array[entries]
+        run = np.searchsorted(self._offsets, entries, side="right") - 1
+        return self._starts[run] + self.step * (entries - self._offsets[run])
+
+
+def _check_headers(module: Module, layouts: tuple) -> list[dict[str, _RunView]]:
+    """Each layout's kind, structure, microbatch, chunk size and size; returns its long arrays as the run checks
+    read them (:class:`_RunView`, by name)."""
     all_breaks = []
     for microbatch, layout in zip(module.microbatches, layouts):
         where = f"microbatch {microbatch.index}"
         if not isinstance(layout, MicrobatchLayout):
             fail(f"{where}: expected a MicrobatchLayout, got {type(layout).__name__}")
-        breaks = {name: _breaks(getattr(layout, name), step) for name, step in _RUN_STEPS.items()}
-        extremes = {name: _extremes(getattr(layout, name), breaks[name]) for name in ("trajectory_rows", "ancestor_rows")}
+        breaks = {name: _RunView(layout.runs_array(name), step) for name, step in _RUN_STEPS.items()}
+        extremes = {name: breaks[name].extremes for name in ("trajectory_rows", "ancestor_rows")}
         problem = layout.structure_problem(row_extremes=extremes)
         if problem is not None:
             fail(f"{where}: layout: {problem}")
@@ -175,16 +208,16 @@ class _Rounds:
         self.spans = self.end - self.start
 
 
-def _wrong_run_entry(values: np.ndarray, breaks: np.ndarray, starts: np.ndarray, firsts: np.ndarray,
-                     step: int) -> tuple[int, int] | None:
+def _wrong_run_entry(values: _RunView, starts: np.ndarray, firsts: np.ndarray, step: int) -> tuple[int, int] | None:
     """The first entry (and the value expected there) where ``values`` is not the runs that begin at ``starts``
     (ascending, the first at 0) with the values ``firsts`` and go up by ``step`` per entry; None when it is.
 
-    ``breaks``: where ``values`` stops going up by ``step`` (:func:`_breaks`): it is those runs when every
-    break is a run's start and every run starts at its value, so the expected array itself is never built
+    ``values.breaks``: where ``values`` stops going up by ``step``: it is those runs when every break is a
+    run's start and every run starts at its value, so neither it nor the expected array is ever built
     (these arrays have an entry per layout row or per semantic token). The first of those faults is the first
     wrong entry: entries before it are right, so a run's first wrong entry breaks its step or starts it."""
-    wrong_first = np.flatnonzero(values[starts] != firsts)
+    wrong_first = np.flatnonzero(values.at(starts) != firsts)
+    breaks = values.breaks
     at = np.searchsorted(starts, breaks)
     wrong_step = breaks[(at >= starts.shape[0]) | (starts[np.minimum(at, starts.shape[0] - 1)] != breaks)]
     candidates = ([int(starts[wrong_first[0]])] if wrong_first.size else []) + ([int(wrong_step[0])] if wrong_step.size else [])
@@ -195,16 +228,15 @@ def _wrong_run_entry(values: np.ndarray, breaks: np.ndarray, starts: np.ndarray,
     return entry, int(firsts[run]) + step * (entry - int(starts[run]))
 
 
-def _check_runs(k: int, name: str, layout: MicrobatchLayout, breaks: dict[str, np.ndarray], starts: np.ndarray,
-                firsts: np.ndarray) -> None:
-    values = getattr(layout, name)
-    wrong = _wrong_run_entry(values, breaks[name], starts, firsts, _RUN_STEPS[name])
+def _check_runs(k: int, name: str, views: dict[str, _RunView], starts: np.ndarray, firsts: np.ndarray) -> None:
+    values = views[name]
+    wrong = _wrong_run_entry(values, starts, firsts, _RUN_STEPS[name])
     if wrong is not None:
         entry, expected = wrong
-        fail(f"microbatch {k}: layout field {name} differs from the rounds at entry {entry} ({int(values[entry])}, expected {expected})")
+        fail(f"microbatch {k}: layout field {name} differs from the rounds at entry {entry} ({int(values.at(entry))}, expected {expected})")
 
 
-def _check_sequences(flat: _Flat, rounds: _Rounds, breaks: list[dict[str, np.ndarray]]) -> None:
+def _check_sequences(flat: _Flat, rounds: _Rounds, views: list[dict[str, _RunView]]) -> None:
     """The layout's sequences are the rounds', in round order, their rows back to back."""
     flat.expect("trajectories", rounds.members, offsets_of(rounds.member_counts))
     flat.expect("trajectory_offsets", *_grouped_offsets(rounds.member_lengths, rounds.member_counts))
@@ -218,8 +250,8 @@ def _check_sequences(flat: _Flat, rounds: _Rounds, breaks: list[dict[str, np.nda
     for k, layout in enumerate(flat.layouts):
         # sizes agree (the headers), and every sequence has rows (the rounds): each one starts a run
         starts = layout.seq_row_start[:-1]
-        _check_runs(k, "row_trajectory", layout, breaks[k], starts, layout.seq_trajectory)
-        _check_runs(k, "row_position", layout, breaks[k], starts, layout.seq_start)
+        _check_runs(k, "row_trajectory", views[k], starts, layout.seq_trajectory)
+        _check_runs(k, "row_position", views[k], starts, layout.seq_start)
 
 
 class _Paths:
@@ -269,7 +301,7 @@ class _Pieces:
         self.bounds = offsets_of(per_sequence)[offsets_of(rounds.sequence_counts)]
 
 
-def _check_map(flat: _Flat, module: Module, rounds: _Rounds, breaks: list[dict[str, np.ndarray]]) -> None:
+def _check_map(flat: _Flat, module: Module, rounds: _Rounds, views: list[dict[str, _RunView]]) -> None:
     """Member i's position p maps to the row holding its prefix up to p; multiplicities count the members
     through each row; ancestor rows are the trajectory's rows before the sequence's start.
 
@@ -291,22 +323,22 @@ def _check_map(flat: _Flat, module: Module, rounds: _Rounds, breaks: list[dict[s
         nodes = paths.node[paths.bounds[k]:paths.bounds[k + 1]]
         tokens = paths.token[paths.bounds[k]:paths.bounds[k + 1]] - paths.token_bounds[k]
         runs = first_layout_row[nodes]
-        rows = layout.trajectory_rows
-        wrong = _wrong_run_entry(rows, breaks[k]["trajectory_rows"], tokens, runs, 1)
+        rows = views[k]["trajectory_rows"]
+        wrong = _wrong_run_entry(rows, tokens, runs, 1)
         if wrong is not None:
             entry = wrong[0]
             member = int(np.searchsorted(layout.trajectory_offsets, entry, side="right")) - 1
             fail(
                 f"microbatch {k}: trajectory {int(layout.trajectories[member])}, position "
-                f"{entry - int(layout.trajectory_offsets[member])} maps to layout row {int(rows[entry])}, which holds another token prefix"
+                f"{entry - int(layout.trajectory_offsets[member])} maps to layout row {int(rows.at(entry))}, which holds another token prefix"
             )
         np.add.at(members_through, nodes, 1)
-        _check_runs(k, "row_multiplicity", layout, breaks[k], piece_rows, members_through[piece_nodes])
+        _check_runs(k, "row_multiplicity", views[k], piece_rows, members_through[piece_nodes])
         members_through[nodes] = 0
         first_layout_row[piece_nodes] = -1  # the next microbatch must not see this one's rows
         # the map is right by now, so a sequence's ancestor rows are the map's runs of its member cut at its start
         part = slice(ancestors.bounds[k], ancestors.bounds[k + 1])
-        _check_runs(k, "ancestor_rows", layout, breaks[k], ancestors.start[part] - ancestors.entry_bounds[k],
+        _check_runs(k, "ancestor_rows", views[k], ancestors.start[part] - ancestors.entry_bounds[k],
                     runs[ancestors.pair[part] - paths.bounds[k]])
 
 
@@ -379,8 +411,8 @@ def verify_laid_out(laid_out: LaidOutModule) -> None:
     if not isinstance(layouts, tuple) or len(layouts) != len(module.microbatches):
         count = len(layouts) if isinstance(layouts, tuple) else type(layouts).__name__
         fail(f"a laid-out module needs one layout per microbatch: {len(module.microbatches)} microbatches, {count} layouts")
-    breaks = _check_headers(module, layouts)
+    views = _check_headers(module, layouts)
     flat, rounds = _Flat(layouts), _Rounds(module)
-    _check_sequences(flat, rounds, breaks)
-    _check_map(flat, module, rounds, breaks)
+    _check_sequences(flat, rounds, views)
+    _check_map(flat, module, rounds, views)
     _check_state_handoffs(flat, module, rounds)

@@ -165,3 +165,32 @@ def test_microbatches_laid_out_together_are_the_ones_laid_out_alone_and_share_no
             with pytest.raises(ValueError):
                 array[...] = 0
     verify(together)
+
+
+@settings(max_examples=50, deadline=None)
+@given(runs=st.lists(st.tuples(st.integers(-50, 50), st.integers(-3, 3), st.integers(1, 6)), max_size=8))
+def test_an_array_held_as_runs_reads_as_its_runs_expanded(runs):
+    """A RunsArray expands to the entries of its runs (whatever their steps), once, read-only; pickles as it is held."""
+    import pickle
+
+    from harts.ir.layout import RunsArray, decode_arithmetic_runs
+
+    starts, steps, lengths = (np.array([run[i] for run in runs], dtype=np.int64) for i in range(3))
+    held = RunsArray.from_runs(starts, steps, lengths)
+    assert held.size == int(lengths.sum())
+    expected = decode_arithmetic_runs(starts, steps, lengths)
+    copy = pickle.loads(pickle.dumps(held))
+    array = held.array()
+    assert np.array_equal(array, expected) and array is held.array() and not array.flags.writeable
+    assert copy.runs is not None and np.array_equal(copy.array(), expected)
+    assert held.outside(int(expected.max(initial=-1)) + 1) == bool(expected.size and expected.min() < 0)
+    with pytest.raises(ValueError):
+        RunsArray.from_runs(starts, steps, np.zeros_like(lengths) if lengths.size else np.zeros(1, dtype=np.int64))
+
+
+@settings(max_examples=10, deadline=None)
+@given(laid_out_plans())
+def test_a_laid_out_plan_pickles_with_its_layouts(plan):
+    import pickle
+
+    assert pickle.loads(pickle.dumps(plan.stage)) == plan.stage
