@@ -28,6 +28,7 @@ ancestor rows) are checked microbatch by microbatch, to avoid copying them end t
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -132,25 +133,20 @@ class _RunView:
     (the run checks need nothing else, besides a few entries' values: :meth:`at`), and ``extremes``.
 
     Read off its runs when the layout holds it as runs of that step, as ``lay-out`` builds it (a run that just
-    continues the one before is no break); otherwise off one scan of the array (:func:`_breaks`).
+    continues the one before is no break: :func:`_run_views`, for every layout at once); otherwise off one
+    scan of the array (:func:`_breaks`).
     """
 
-    def __init__(self, held: RunsArray, step: int):
-        self.step = step
-        runs = held.runs
-        if runs is not None and bool((runs[1] == step).all()):
-            self._array = None
-            self._starts, _, lengths = runs
-            self._offsets = offsets_of(lengths)
-            lasts = self._starts + step * (lengths - 1)
-            continues = self._starts[1:] - lasts[:-1] == step
-            self.breaks = self._offsets[1:-1][~continues]
-            self.extremes = (int(min(self._starts.min(), lasts.min())), int(max(self._starts.max(), lasts.max()))) \
-                if lengths.size else None
-        else:
-            self._array = held.array()
-            self.breaks = _breaks(self._array, step)
-            self.extremes = _extremes(self._array, self.breaks) if step == 1 else None
+    def __init__(self, step: int, breaks: np.ndarray, extremes: tuple[int, int] | None, *, array: np.ndarray | None = None,
+                 starts: np.ndarray | None = None, offsets: np.ndarray | None = None):
+        self.step, self.breaks, self.extremes = step, breaks, extremes
+        self._array, self._starts, self._offsets = array, starts, offsets
+
+    @classmethod
+    def scanned(cls, held: RunsArray, step: int) -> "_RunView":
+        array = held.array()
+        breaks = _breaks(array, step)
+        return cls(step, breaks, _extremes(array, breaks) if step == 1 else None, array=array)
 
     def at(self, entries: np.ndarray | int) -> np.ndarray | int:
         if self._array is not None:
@@ -159,28 +155,70 @@ class _RunView:
         return self._starts[run] + self.step * (entries - self._offsets[run])
 
 
+def _run_views(layouts: Sequence[MicrobatchLayout], name: str, step: int) -> list[_RunView]:
+    """Every layout's array ``name`` as a :class:`_RunView`, the runs of all layouts read in one numpy expression
+    each (a few calls per layout were most of the verifier's time on steps of hundreds of microbatches)."""
+    held = [layout.runs_array(name) for layout in layouts]
+    runs = [h.runs if h.runs is not None else (np.zeros(0, dtype=np.int64),) * 3 for h in held]
+    starts, steps, lengths = (np.concatenate([r[part] for r in runs]) for part in range(3))
+    bounds = offsets_of([r[0].shape[0] for r in runs])
+    off_step = offsets_of(steps != step)
+    uniform = (off_step[bounds[1:]] == off_step[bounds[:-1]]).tolist()
+    entries = offsets_of(lengths)
+    lasts = starts + step * (lengths - 1)
+    # a run breaks its array where it does not continue the run before it in the same layout
+    breaking = np.ones(starts.shape[0], dtype=bool)
+    breaking[1:] = starts[1:] - lasts[:-1] != step
+    breaking[bounds[:-1][bounds[:-1] < starts.shape[0]]] = False
+    break_runs = np.flatnonzero(breaking)
+    break_bounds = np.searchsorted(break_runs, bounds).tolist()
+    lows, highs = np.minimum(starts, lasts), np.maximum(starts, lasts)
+    views = []
+    for k, (first, last) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
+        if held[k].runs is None or not uniform[k]:
+            views.append(_RunView.scanned(held[k], step))
+            continue
+        base = entries[first]
+        extremes = (int(lows[first:last].min()), int(highs[first:last].max())) if last > first and step == 1 else None
+        views.append(_RunView(step, entries[break_runs[break_bounds[k]:break_bounds[k + 1]]] - base, extremes,
+                              starts=starts[first:last], offsets=entries[first:last + 1] - base))
+    return views
+
+
 def _check_headers(module: Module, layouts: tuple) -> list[dict[str, _RunView]]:
-    """Each layout's kind, structure, microbatch, chunk size and size; returns its long arrays as the run checks
-    read them (:class:`_RunView`, by name)."""
-    all_breaks = []
-    for microbatch, layout in zip(module.microbatches, layouts):
-        where = f"microbatch {microbatch.index}"
+    """Each layout's kind, structure, microbatch, chunk size and size, layout after layout; returns its long
+    arrays as the run checks read them (:class:`_RunView`, by name)."""
+    for position, layout in enumerate(layouts):
         if not isinstance(layout, MicrobatchLayout):
-            fail(f"{where}: expected a MicrobatchLayout, got {type(layout).__name__}")
-        breaks = {name: _RunView(layout.runs_array(name), step) for name, step in _RUN_STEPS.items()}
-        extremes = {name: breaks[name].extremes for name in ("trajectory_rows", "ancestor_rows")}
-        problem = layout.structure_problem(row_extremes=extremes)
-        if problem is not None:
-            fail(f"{where}: layout: {problem}")
-        if (layout.microbatch, layout.chunk_size) != (microbatch.index, module.chunk_size):
-            fail(
-                f"{where}: the layout is of microbatch {layout.microbatch} at chunk size {layout.chunk_size}, "
-                f"expected microbatch {microbatch.index} at chunk size {module.chunk_size}"
-            )
-        if layout.num_rows != microbatch.work:
-            fail(f"{where}: the layout has {layout.num_rows} rows but the microbatch's work is {microbatch.work}")
-        all_breaks.append(breaks)
-    return all_breaks
+            # the faults of the layouts before it come first, as in a check of one layout after another
+            for microbatch, earlier in zip(module.microbatches[:position], layouts[:position]):
+                _check_layout_header(module, microbatch, earlier, _scanned_views(earlier))
+            fail(f"microbatch {module.microbatches[position].index}: expected a MicrobatchLayout, got {type(layout).__name__}")
+    by_name = {name: _run_views(layouts, name, step) for name, step in _RUN_STEPS.items()}
+    views = [{name: by_name[name][k] for name in _RUN_STEPS} for k in range(len(layouts))]
+    for microbatch, layout, layout_views in zip(module.microbatches, layouts, views):
+        _check_layout_header(module, microbatch, layout, layout_views)
+    return views
+
+
+def _scanned_views(layout: MicrobatchLayout) -> dict[str, _RunView]:
+    return {name: _RunView.scanned(layout.runs_array(name), step) for name, step in _RUN_STEPS.items()}
+
+
+def _check_layout_header(module: Module, microbatch, layout: MicrobatchLayout, views: dict[str, _RunView]) -> None:
+    """One layout's structure, microbatch, chunk size and size (``views``: its long arrays)."""
+    where = f"microbatch {microbatch.index}"
+    extremes = {name: views[name].extremes for name in ("trajectory_rows", "ancestor_rows")}
+    problem = layout.structure_problem(row_extremes=extremes)
+    if problem is not None:
+        fail(f"{where}: layout: {problem}")
+    if (layout.microbatch, layout.chunk_size) != (microbatch.index, module.chunk_size):
+        fail(
+            f"{where}: the layout is of microbatch {layout.microbatch} at chunk size {layout.chunk_size}, "
+            f"expected microbatch {microbatch.index} at chunk size {module.chunk_size}"
+        )
+    if layout.num_rows != microbatch.work:
+        fail(f"{where}: the layout has {layout.num_rows} rows but the microbatch's work is {microbatch.work}")
 
 
 class _Rounds:

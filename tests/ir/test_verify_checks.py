@@ -213,3 +213,20 @@ def test_compiling_verifies_the_long_arrays_from_their_runs_without_expanding_th
     as_arrays = attrs.evolve(layout, **{name: np.array(getattr(layout, name)) for name in RUNS_FIELDS})
     assert as_arrays == layout and layout == as_arrays
     assert all(as_arrays.runs_array(name).runs is None for name in RUNS_FIELDS)
+
+
+def test_a_layout_that_is_not_one_is_named_after_the_faults_of_the_layouts_before_it(stage):
+    """The headers are checked layout after layout: a structure fault in an earlier layout is named before a later
+    entry that is not a layout at all, and that entry is named when the layouts before it are sound."""
+    k = _busiest(stage)
+    layout = stage.layouts[k]
+    not_a_layout = list(stage.layouts)
+    not_a_layout[k] = "layout"
+    with pytest.raises(IRVerificationError, match=f"microbatch {k}: expected a MicrobatchLayout, got str"):
+        verify(LaidOutModule(module=stage.module, layouts=tuple(not_a_layout)))
+    rows = stage.layouts[0].trajectory_rows.copy()
+    rows[0] = -1
+    not_a_layout[0] = attrs.evolve(stage.layouts[0], trajectory_rows=rows)
+    with pytest.raises(IRVerificationError, match=re.escape("microbatch 0: layout: trajectory_rows holds a row outside")):
+        verify(LaidOutModule(module=stage.module, layouts=tuple(not_a_layout)))
+    assert layout.num_rows
