@@ -13,7 +13,9 @@ holds the rounded module and one layout per microbatch): the ``lay-out`` pass bu
 the plan artifact stores its arrays and the runtime executes from them. Everything here is
 a flat numpy ``int64`` array (CSR for ragged lists); in the IR text and in the artifact each
 array is written as arithmetic runs (:class:`ArithmeticRuns`), which is exact and small
-(row maps are long runs of consecutive rows or repeated values).
+(row maps are long runs of consecutive rows or repeated values). The long arrays (an entry
+per row or semantic token, :data:`RUNS_FIELDS`) may be held as the runs they were built from
+(:class:`RunsArray`) and are expanded when first read: compiling never writes them out.
 
 Glossary of the arrays (``C`` rows, ``Q`` sequences, ``R`` rounds, ``E`` exports, ``M``
 member trajectories):
@@ -272,7 +274,8 @@ class RunsArray:
         return bool(self.size) and int(self._array.view(np.uint64).max()) >= rows
 
     def __reduce__(self):
-        return RunsArray, (self._array, self._runs)
+        # runs pickle as runs: an array expanded from them is derived, and far larger
+        return RunsArray, (None, self._runs) if self._runs is not None else (self._array, None)
 
 
 def _runs_array(value: Any) -> RunsArray:
