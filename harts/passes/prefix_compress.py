@@ -21,16 +21,9 @@ def sorted_order_and_lcp(tokens: tuple[np.ndarray, ...]) -> tuple[list[int], lis
 
     Token ids are below 2**32 (:data:`harts.rollouts.fields.MAX_TOKEN_ID`), so their big-endian 4-byte
     strings compare as the arrays do. The LCPs compare those same bytes, read in place as 4-byte words
-    (equality needs no byte order), and stop at the first mismatch. Each key is written once, cast straight
-    into its buffer (a bytearray: it compares as bytes do), not cast and then copied into a bytes object:
-    this runs beside the batch's hash (:func:`harts.compiler._hash_while_building_trie`), and the two
-    contend for memory bandwidth.
+    (equality needs no byte order), and stop at the first mismatch.
     """
-    keys = []
-    for trajectory in tokens:
-        key = bytearray(4 * trajectory.shape[0])
-        np.frombuffer(key, dtype=">u4")[...] = trajectory
-        keys.append(key)
+    keys = [trajectory.astype(">u4").tobytes() for trajectory in tokens]
     order = sorted(range(len(tokens)), key=keys.__getitem__)  # sorted is stable: ties keep index order
     lcp = [0] * len(order)
     previous = np.frombuffer(keys[order[0]], dtype=np.uint32) if order else None
