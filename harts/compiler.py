@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
 from collections.abc import Sequence
@@ -65,6 +67,26 @@ def _hash_while_building_trie(batch: RolloutBatch, passes: Sequence[Pass]) -> Co
     return trie
 
 
+@contextlib.contextmanager
+def _cyclic_collector_paused():
+    """Pause Python's cyclic garbage collector while compiling; it runs as it did afterwards.
+
+    Why: a compile allocates hundreds of thousands of small IR objects (trie nodes, segments, sequences) and
+    frees few, so allocation keeps triggering collections, and each older-generation pass walks every live
+    object: on the large bench shapes (``benchmarks/bench_planner.py --shapes``) that was a fifth of the compile
+    or more. The IR is trees of frozen nodes, not cycles; whatever cyclic garbage a compile leaves (a caught
+    exception's frames, say) is collected once the collector is back on. A collector already off stays off.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _progress_reporter(enabled: bool):
     if not enabled:
         return None, None
@@ -117,6 +139,13 @@ def compile(  # noqa: A001 - the public name the design asks for
         check_fast_kernel_chunk_size(chunk_size)
     verify_each = verification_enabled_by_environment() if verify is None else verify
     all_instruments = list(instruments or ()) + instruments_from_environment()
+    with _cyclic_collector_paused():
+        return _compile(batch, options, passes, pipeline, verify_each, all_instruments, progress, fast_kernels)
+
+
+def _compile(batch: RolloutBatch, options: CompileOptions, passes: list[Pass], pipeline, verify_each: bool,
+             all_instruments: list[Instrument], progress: bool, fast_kernels: bool) -> Plan:
+    """:func:`compile` once its arguments are checked."""
     started = time.perf_counter()
     starts_from_batch = bool(passes) and passes[0].requires is None
     batch_trie = _hash_while_building_trie(batch, passes)

@@ -13,7 +13,9 @@ holds the rounded module and one layout per microbatch): the ``lay-out`` pass bu
 the plan artifact stores its arrays and the runtime executes from them. Everything here is
 a flat numpy ``int64`` array (CSR for ragged lists); in the IR text and in the artifact each
 array is written as arithmetic runs (:class:`ArithmeticRuns`), which is exact and small
-(row maps are long runs of consecutive rows or repeated values).
+(row maps are long runs of consecutive rows or repeated values). The long arrays (an entry
+per row or semantic token, :data:`RUNS_FIELDS`) may be held as the runs they were built from
+(:class:`RunsArray`) and are expanded when first read: compiling never writes them out.
 
 Glossary of the arrays (``C`` rows, ``Q`` sequences, ``R`` rounds, ``E`` exports, ``M``
 member trajectories):
@@ -37,7 +39,7 @@ member trajectories):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -215,24 +217,107 @@ def _array_field() -> Any:
     return attrs.field(converter=_index_array, eq=attrs.cmp_using(eq=np.array_equal), repr=False)
 
 
+class RunsArray:
+    """One of a layout's long arrays (an entry per row, semantic token or ancestor position), held as the
+    arithmetic runs it was built from and expanded on first read, or held as the array it was given.
+
+    Why not the array itself: these arrays are a few thousand runs each (a trie node's rows, a sequence's
+    positions) but tens of millions of entries on a large step, and writing and then reading them (a gigabyte
+    on an SWE-like step, much of it page faults) was most of a compile's layout and verification time, while
+    compiling needs only their runs (:func:`harts.ir.verify_layout.verify_laid_out` checks the runs). The
+    array is expanded once, when something reads it (the runtime, the artifact), kept, and read-only, so the
+    layout reads as a layout of plain arrays.
+    """
+
+    __slots__ = ("_array", "_runs", "size")
+
+    def __init__(self, array: np.ndarray | None = None, runs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None):
+        self._array, self._runs = array, runs
+        self.size = int(array.shape[0]) if array is not None else int(runs[2].sum())
+
+    @classmethod
+    def from_runs(cls, starts: np.ndarray, steps: np.ndarray, lengths: np.ndarray) -> "RunsArray":
+        """``starts[k], starts[k] + steps[k], ...`` for ``lengths[k]`` entries, run after run (every length positive)."""
+        runs = tuple(_index_array(part) for part in (starts, steps, lengths))
+        if not runs[0].shape == runs[1].shape == runs[2].shape:
+            raise ValueError("the start, step and length lists of arithmetic runs differ in length")
+        if runs[2].size and runs[2].min() < 1:
+            raise ValueError("arithmetic runs need positive lengths")
+        return cls(runs=runs)
+
+    @property
+    def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(starts, steps, lengths) when held as runs (not necessarily maximal), else None."""
+        return self._runs
+
+    def array(self) -> np.ndarray:
+        if self._array is None:
+            starts, steps, lengths = self._runs
+            if not steps.size or (steps == 1).all():
+                array = concatenated_ranges(starts, lengths)
+            elif (steps == 0).all():
+                array = np.repeat(starts, lengths)
+            else:
+                array = decode_arithmetic_runs(starts, steps, lengths)
+            self._array = _index_array(array)
+        return self._array
+
+    def outside(self, rows: int) -> bool:
+        """Does an entry lie outside ``[0, rows)``? Read off the runs' ends when held as runs."""
+        if self._array is None:
+            starts, steps, lengths = self._runs
+            if not starts.size:
+                return False
+            lasts = starts + steps * (lengths - 1)
+            return bool(min(starts.min(), lasts.min()) < 0 or max(starts.max(), lasts.max()) >= rows)
+        # one pass over the array: read as unsigned, a negative row is larger than any valid one
+        return bool(self.size) and int(self._array.view(np.uint64).max()) >= rows
+
+    def __reduce__(self):
+        # runs pickle as runs: an array expanded from them is derived, and far larger
+        return RunsArray, (None, self._runs) if self._runs is not None else (self._array, None)
+
+
+def _runs_array(value: Any) -> RunsArray:
+    return value if isinstance(value, RunsArray) else RunsArray(array=_index_array(value))
+
+
+def _same_entries(a: RunsArray, b: RunsArray) -> bool:
+    if a is b:
+        return True
+    if a.runs is not None and b.runs is not None and all(np.array_equal(x, y) for x, y in zip(a.runs, b.runs)):
+        return True
+    return a.size == b.size and np.array_equal(a.array(), b.array())
+
+
+def _runs_field(name: str) -> Any:
+    return attrs.field(alias=name, converter=_runs_array, eq=attrs.cmp_using(eq=_same_entries), repr=False)
+
+
+#: the layout arrays held as :class:`RunsArray` (a private field ``_<name>``, read through the property ``<name>``)
+RUNS_FIELDS: tuple[str, ...] = ("trajectory_rows", "row_trajectory", "row_position", "row_multiplicity", "ancestor_rows")
+
+
 @attrs.frozen
 class MicrobatchLayout:
     """The compact physical ordering of one microbatch and the index lists derived from it.
 
-    Frozen and free of caches: what the runtime derives from a layout (generated programs,
-    device tensors) lives in the runtime (:mod:`harts.runtime.programs`). Every array is
-    read-only (writing one raises ``ValueError``). Two layouts are equal when every array is;
-    layouts are not hashable.
+    Frozen: what the runtime derives from a layout (generated programs, device tensors) lives in
+    the runtime (:mod:`harts.runtime.programs`). Every array is read-only (writing one raises
+    ``ValueError``). The long arrays (:data:`RUNS_FIELDS`) may be given as :class:`RunsArray`,
+    as ``lay-out`` gives them: each is expanded the first time it is read, and the same array is
+    returned from then on (the layout's only cache; ``runs_array(name)`` reads the runs without
+    expanding). Two layouts are equal when every array is; layouts are not hashable.
     """
 
     microbatch: int
     chunk_size: int
     trajectories: np.ndarray = _array_field()
     trajectory_offsets: np.ndarray = _array_field()
-    trajectory_rows: np.ndarray = _array_field()
-    row_trajectory: np.ndarray = _array_field()
-    row_position: np.ndarray = _array_field()
-    row_multiplicity: np.ndarray = _array_field()
+    _trajectory_rows: RunsArray = _runs_field("trajectory_rows")
+    _row_trajectory: RunsArray = _runs_field("row_trajectory")
+    _row_position: RunsArray = _runs_field("row_position")
+    _row_multiplicity: RunsArray = _runs_field("row_multiplicity")
     round_seq_start: np.ndarray = _array_field()
     seq_round: np.ndarray = _array_field()
     seq_trajectory: np.ndarray = _array_field()
@@ -247,12 +332,43 @@ class MicrobatchLayout:
     export_position: np.ndarray = _array_field()
     export_chunk: np.ndarray = _array_field()
     ancestor_offsets: np.ndarray = _array_field()
-    ancestor_rows: np.ndarray = _array_field()
+    _ancestor_rows: RunsArray = _runs_field("ancestor_rows")
+
+    # ------------------------------------------------------------ long arrays
+    @property
+    def trajectory_rows(self) -> np.ndarray:
+        return self._trajectory_rows.array()
+
+    @property
+    def row_trajectory(self) -> np.ndarray:
+        return self._row_trajectory.array()
+
+    @property
+    def row_position(self) -> np.ndarray:
+        return self._row_position.array()
+
+    @property
+    def row_multiplicity(self) -> np.ndarray:
+        return self._row_multiplicity.array()
+
+    @property
+    def ancestor_rows(self) -> np.ndarray:
+        return self._ancestor_rows.array()
+
+    def runs_array(self, name: str) -> RunsArray:
+        """The :class:`RunsArray` behind one of :data:`RUNS_FIELDS` (its runs, or its array, as held)."""
+        if name not in RUNS_FIELDS:
+            raise KeyError(f"{name} is not one of the layout's long arrays {RUNS_FIELDS}")
+        return getattr(self, f"_{name}")
+
+    def array_length(self, name: str) -> int:
+        """Entries of layout array ``name``, without expanding a long one."""
+        return self.runs_array(name).size if name in RUNS_FIELDS else int(getattr(self, name).shape[0])
 
     # ------------------------------------------------------------------ sizes
     @property
     def num_rows(self) -> int:
-        return int(self.row_trajectory.shape[0])
+        return self._row_trajectory.size
 
     @property
     def num_sequences(self) -> int:
@@ -268,7 +384,7 @@ class MicrobatchLayout:
 
     @property
     def semantic_tokens(self) -> int:
-        return int(self.trajectory_rows.shape[0])
+        return self._trajectory_rows.size
 
     @property
     def replay_tokens(self) -> int:
@@ -380,16 +496,19 @@ class MicrobatchLayout:
             raise PlanArtifactError(f"layout of microbatch {layout.microbatch}: {problem}")
         return layout
 
-    def structure_problem(self) -> str | None:
+    def structure_problem(self, row_extremes: Mapping[str, tuple[int, int]] | None = None) -> str | None:
         """What is structurally wrong (array sizes and offsets disagree), or None.
 
         Decoding tensors reports it as a damaged artifact; the ``laid_out`` verifier as a
-        broken invariant, before it checks the layout against the rounds.
+        broken invariant, before it checks the layout against the rounds. ``row_extremes``: the
+        least and largest entry of ``trajectory_rows`` and ``ancestor_rows`` (None for an empty
+        array) when the caller has them (the verifier reads them off its scan of those arrays), so
+        that these long arrays are not read again here.
         """
         rows, sequences, exports = self.num_rows, self.num_sequences, self.num_exports
         for name in ("row_position", "row_multiplicity"):
-            if getattr(self, name).shape[0] != rows:
-                return f"{name} has {getattr(self, name).shape[0]} entries, expected {rows}"
+            if self.array_length(name) != rows:
+                return f"{name} has {self.array_length(name)} entries, expected {rows}"
         for name in ("seq_trajectory", "seq_start", "seq_end", "seq_replay_start", "seq_state_source", "seq_state_chunk", "seq_state_export"):
             if getattr(self, name).shape[0] != sequences:
                 return f"{name} has {getattr(self, name).shape[0]} entries, expected {sequences}"
@@ -397,16 +516,19 @@ class MicrobatchLayout:
             ("round_seq_start", self.num_rounds, sequences),
             ("seq_row_start", sequences, rows),
             ("export_offsets", sequences, exports),
-            ("ancestor_offsets", sequences, self.ancestor_rows.shape[0]),
-            ("trajectory_offsets", len(self.trajectories), self.trajectory_rows.shape[0]),
+            ("ancestor_offsets", sequences, self.array_length("ancestor_rows")),
+            ("trajectory_offsets", len(self.trajectories), self.array_length("trajectory_rows")),
         ):
             offsets = getattr(self, name)
             if offsets.shape[0] != size + 1 or size < 0 or offsets[0] != 0 or offsets[-1] != total or np.any(np.diff(offsets) < 0):
                 return f"{name} is not a valid offset array over {total} entries"
         for name in ("trajectory_rows", "ancestor_rows"):
-            values = getattr(self, name)
-            # one pass over these long arrays: read as unsigned, a negative row is larger than any valid one
-            if values.size and int(values.view(np.uint64).max()) >= rows:
+            if row_extremes is not None:
+                extremes = row_extremes[name]
+                outside = extremes is not None and (extremes[0] < 0 or extremes[1] >= rows)
+            else:
+                outside = self.runs_array(name).outside(rows)
+            if outside:
                 return f"{name} holds a row outside [0, {rows})"
         if self.export_chunk.shape[0] != exports:
             return "export_chunk and export_position differ in length"

@@ -64,7 +64,8 @@ def _render(value: Any, depth: int) -> str:
         return "[\n" + items + "\n" + _INDENT * depth + "]"
     if attrs.has(type(value)) and type(value).__name__ in NODE_CLASSES:
         fields = attrs.fields(type(value))
-        rendered = [f"{f.name}={_render(getattr(value, f.name), depth + 1)}" for f in fields]
+        # a field's IR name is its alias: a private field read through a property (a layout's long arrays) prints as the property
+        rendered = [f"{f.alias}={_render(getattr(value, f.alias), depth + 1)}" for f in fields]
         flat = type(value).__name__ + "(" + ", ".join(rendered) + ")"
         if "\n" not in flat and len(flat) <= 160:
             return flat
@@ -152,7 +153,7 @@ class _Parser:
     def node(self, cls: type, offset: int) -> Any:
         self.take("(")
         values: dict[str, Any] = {}
-        known = {f.name for f in attrs.fields(cls)}
+        known = {f.alias for f in attrs.fields(cls)}
         while self.peek()[1] != ")":
             if values:
                 self.take(",")
@@ -164,7 +165,7 @@ class _Parser:
             self.take("=")
             values[name] = self.value()
         self.take(")")
-        missing = [f.name for f in attrs.fields(cls) if f.name not in values and f.default is attrs.NOTHING]
+        missing = [f.alias for f in attrs.fields(cls) if f.alias not in values and f.default is attrs.NOTHING]
         if missing:
             raise IRParseError(f"{cls.__name__} at offset {offset} lacks field(s) {', '.join(missing)}")
         return cls(**values)

@@ -28,15 +28,17 @@ ancestor rows) are checked microbatch by microbatch, to avoid copying them end t
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import numpy as np
 
-from harts.ir.layout import ARRAY_FIELDS, LaidOutModule, MicrobatchLayout, concatenated_ranges, offsets_of
+from harts.ir.layout import ARRAY_FIELDS, RUNS_FIELDS, LaidOutModule, MicrobatchLayout, RunsArray, concatenated_ranges, offsets_of
 from harts.ir.nodes import Module, Phase
 from harts.ir.verify_common import fail
 
-#: arrays with one entry per row, semantic token or ancestor position: checked per microbatch, never concatenated
-_TOKEN_FIELDS = ("trajectory_rows", "ancestor_rows", "row_trajectory", "row_position", "row_multiplicity")
+#: arrays with one entry per row, semantic token or ancestor position: checked per microbatch as runs, never
+#: concatenated (nor expanded, when a layout holds them as runs)
+_TOKEN_FIELDS = RUNS_FIELDS
 
 
 class _Flat:
@@ -47,9 +49,9 @@ class _Flat:
         self.arrays: dict[str, np.ndarray] = {}
         self.bounds: dict[str, np.ndarray] = {}
         for name in ARRAY_FIELDS:
-            parts = [getattr(layout, name) for layout in layouts]
-            self.bounds[name] = offsets_of([part.shape[0] for part in parts])
+            self.bounds[name] = offsets_of([layout.array_length(name) for layout in layouts])
             if name not in _TOKEN_FIELDS:
+                parts = [getattr(layout, name) for layout in layouts]
                 self.arrays[name] = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def expect(self, name: str, expected: np.ndarray, expected_bounds: np.ndarray) -> None:
@@ -86,21 +88,137 @@ def _grouped_offsets(lengths: np.ndarray, counts: np.ndarray) -> tuple[np.ndarra
     return out, bounds
 
 
-def _check_headers(module: Module, layouts: tuple) -> None:
-    for microbatch, layout in zip(module.microbatches, layouts):
-        where = f"microbatch {microbatch.index}"
+#: entries of a long array read per step of :func:`_breaks`: the step's temporaries stay in the core's cache
+_SCAN_BLOCK = 1 << 16
+
+#: the layout arrays checked as runs, and the step inside their runs: one row or token position per entry (1) or
+#: one value repeated over a sequence's or trie node's rows (0)
+_RUN_STEPS = {"trajectory_rows": 1, "ancestor_rows": 1, "row_position": 1, "row_trajectory": 0, "row_multiplicity": 0}
+
+
+def _breaks(values: np.ndarray, step: int) -> np.ndarray:
+    """The entries ``i`` where ``values[i] - values[i - 1] != step``: where ``values`` stops being one run.
+
+    The one read of a long array the verifier makes (its range and its runs are read off the breaks), a block
+    at a time into reused buffers: a whole-array difference would first write (and fault in) an array as long.
+    """
+    count = values.shape[0]
+    if count < 2:
+        return np.zeros(0, dtype=np.int64)
+    block = min(_SCAN_BLOCK, count - 1)
+    expected, broken = np.empty(block, dtype=np.int64), np.empty(block, dtype=bool)
+    found = []
+    for first in range(0, count - 1, block):
+        size = min(block, count - 1 - first)
+        previous = values[first:first + size]
+        if step:
+            previous = np.add(previous, step, out=expected[:size])
+        np.not_equal(values[first + 1:first + 1 + size], previous, out=broken[:size])
+        found.append(np.flatnonzero(broken[:size]) + (first + 1))
+    return np.concatenate(found)
+
+
+def _extremes(values: np.ndarray, breaks: np.ndarray) -> tuple[int, int] | None:
+    """The least and largest entry of an array whose runs between ``breaks`` go up by 1 (None when empty): each
+    run's first and last entries."""
+    if not values.shape[0]:
+        return None
+    firsts = values[np.concatenate(([0], breaks))]
+    lasts = values[np.concatenate((breaks - 1, [values.shape[0] - 1]))]
+    return int(firsts.min()), int(lasts.max())
+
+
+class _RunView:
+    """A long layout array as the checks read it: ``breaks``, the entries where it stops going up by ``step``
+    (the run checks need nothing else, besides a few entries' values: :meth:`at`), and ``extremes``.
+
+    Read off its runs when the layout holds it as runs of that step, as ``lay-out`` builds it (a run that just
+    continues the one before is no break: :func:`_run_views`, for every layout at once); otherwise off one
+    scan of the array (:func:`_breaks`).
+    """
+
+    def __init__(self, step: int, breaks: np.ndarray, extremes: tuple[int, int] | None, *, array: np.ndarray | None = None,
+                 starts: np.ndarray | None = None, offsets: np.ndarray | None = None):
+        self.step, self.breaks, self.extremes = step, breaks, extremes
+        self._array, self._starts, self._offsets = array, starts, offsets
+
+    @classmethod
+    def scanned(cls, held: RunsArray, step: int) -> "_RunView":
+        array = held.array()
+        breaks = _breaks(array, step)
+        return cls(step, breaks, _extremes(array, breaks) if step == 1 else None, array=array)
+
+    def at(self, entries: np.ndarray | int) -> np.ndarray | int:
+        if self._array is not None:
+            return self._array[entries]
+        run = np.searchsorted(self._offsets, entries, side="right") - 1
+        return self._starts[run] + self.step * (entries - self._offsets[run])
+
+
+def _run_views(layouts: Sequence[MicrobatchLayout], name: str, step: int) -> list[_RunView]:
+    """Every layout's array ``name`` as a :class:`_RunView`, the runs of all layouts read in one numpy expression
+    each (a few calls per layout were most of the verifier's time on steps of hundreds of microbatches)."""
+    held = [layout.runs_array(name) for layout in layouts]
+    runs = [h.runs if h.runs is not None else (np.zeros(0, dtype=np.int64),) * 3 for h in held]
+    starts, steps, lengths = (np.concatenate([r[part] for r in runs]) for part in range(3))
+    bounds = offsets_of([r[0].shape[0] for r in runs])
+    off_step = offsets_of(steps != step)
+    uniform = (off_step[bounds[1:]] == off_step[bounds[:-1]]).tolist()
+    entries = offsets_of(lengths)
+    lasts = starts + step * (lengths - 1)
+    # a run breaks its array where it does not continue the run before it in the same layout
+    breaking = np.ones(starts.shape[0], dtype=bool)
+    breaking[1:] = starts[1:] - lasts[:-1] != step
+    breaking[bounds[:-1][bounds[:-1] < starts.shape[0]]] = False
+    break_runs = np.flatnonzero(breaking)
+    break_bounds = np.searchsorted(break_runs, bounds).tolist()
+    lows, highs = np.minimum(starts, lasts), np.maximum(starts, lasts)
+    views = []
+    for k, (first, last) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
+        if held[k].runs is None or not uniform[k]:
+            views.append(_RunView.scanned(held[k], step))
+            continue
+        base = entries[first]
+        extremes = (int(lows[first:last].min()), int(highs[first:last].max())) if last > first and step == 1 else None
+        views.append(_RunView(step, entries[break_runs[break_bounds[k]:break_bounds[k + 1]]] - base, extremes,
+                              starts=starts[first:last], offsets=entries[first:last + 1] - base))
+    return views
+
+
+def _check_headers(module: Module, layouts: tuple) -> list[dict[str, _RunView]]:
+    """Each layout's kind, structure, microbatch, chunk size and size, layout after layout; returns its long
+    arrays as the run checks read them (:class:`_RunView`, by name)."""
+    for position, layout in enumerate(layouts):
         if not isinstance(layout, MicrobatchLayout):
-            fail(f"{where}: expected a MicrobatchLayout, got {type(layout).__name__}")
-        problem = layout.structure_problem()
-        if problem is not None:
-            fail(f"{where}: layout: {problem}")
-        if (layout.microbatch, layout.chunk_size) != (microbatch.index, module.chunk_size):
-            fail(
-                f"{where}: the layout is of microbatch {layout.microbatch} at chunk size {layout.chunk_size}, "
-                f"expected microbatch {microbatch.index} at chunk size {module.chunk_size}"
-            )
-        if layout.num_rows != microbatch.work:
-            fail(f"{where}: the layout has {layout.num_rows} rows but the microbatch's work is {microbatch.work}")
+            # the faults of the layouts before it come first, as in a check of one layout after another
+            for microbatch, earlier in zip(module.microbatches[:position], layouts[:position]):
+                _check_layout_header(module, microbatch, earlier, _scanned_views(earlier))
+            fail(f"microbatch {module.microbatches[position].index}: expected a MicrobatchLayout, got {type(layout).__name__}")
+    by_name = {name: _run_views(layouts, name, step) for name, step in _RUN_STEPS.items()}
+    views = [{name: by_name[name][k] for name in _RUN_STEPS} for k in range(len(layouts))]
+    for microbatch, layout, layout_views in zip(module.microbatches, layouts, views):
+        _check_layout_header(module, microbatch, layout, layout_views)
+    return views
+
+
+def _scanned_views(layout: MicrobatchLayout) -> dict[str, _RunView]:
+    return {name: _RunView.scanned(layout.runs_array(name), step) for name, step in _RUN_STEPS.items()}
+
+
+def _check_layout_header(module: Module, microbatch, layout: MicrobatchLayout, views: dict[str, _RunView]) -> None:
+    """One layout's structure, microbatch, chunk size and size (``views``: its long arrays)."""
+    where = f"microbatch {microbatch.index}"
+    extremes = {name: views[name].extremes for name in ("trajectory_rows", "ancestor_rows")}
+    problem = layout.structure_problem(row_extremes=extremes)
+    if problem is not None:
+        fail(f"{where}: layout: {problem}")
+    if (layout.microbatch, layout.chunk_size) != (microbatch.index, module.chunk_size):
+        fail(
+            f"{where}: the layout is of microbatch {layout.microbatch} at chunk size {layout.chunk_size}, "
+            f"expected microbatch {microbatch.index} at chunk size {module.chunk_size}"
+        )
+    if layout.num_rows != microbatch.work:
+        fail(f"{where}: the layout has {layout.num_rows} rows but the microbatch's work is {microbatch.work}")
 
 
 class _Rounds:
@@ -128,17 +246,19 @@ class _Rounds:
         self.spans = self.end - self.start
 
 
-def _wrong_run_entry(values: np.ndarray, starts: np.ndarray, firsts: np.ndarray, step: int) -> tuple[int, int] | None:
+def _wrong_run_entry(values: _RunView, starts: np.ndarray, firsts: np.ndarray, step: int) -> tuple[int, int] | None:
     """The first entry (and the value expected there) where ``values`` is not the runs that begin at ``starts``
     (ascending, the first at 0) with the values ``firsts`` and go up by ``step`` per entry; None when it is.
 
-    One difference of neighbours, never the expected array itself: these arrays have an entry per layout row
-    or per semantic token."""
-    wrong_first = np.flatnonzero(values[starts] != firsts)
-    broken = np.diff(values) != step
-    broken[starts[1:] - 1] = False
-    wrong_step = np.flatnonzero(broken)
-    candidates = ([int(starts[wrong_first[0]])] if wrong_first.size else []) + ([int(wrong_step[0]) + 1] if wrong_step.size else [])
+    ``values.breaks``: where ``values`` stops going up by ``step``: it is those runs when every break is a
+    run's start and every run starts at its value, so neither it nor the expected array is ever built
+    (these arrays have an entry per layout row or per semantic token). The first of those faults is the first
+    wrong entry: entries before it are right, so a run's first wrong entry breaks its step or starts it."""
+    wrong_first = np.flatnonzero(values.at(starts) != firsts)
+    breaks = values.breaks
+    at = np.searchsorted(starts, breaks)
+    wrong_step = breaks[(at >= starts.shape[0]) | (starts[np.minimum(at, starts.shape[0] - 1)] != breaks)]
+    candidates = ([int(starts[wrong_first[0]])] if wrong_first.size else []) + ([int(wrong_step[0])] if wrong_step.size else [])
     if not candidates:
         return None
     entry = min(candidates)
@@ -146,14 +266,15 @@ def _wrong_run_entry(values: np.ndarray, starts: np.ndarray, firsts: np.ndarray,
     return entry, int(firsts[run]) + step * (entry - int(starts[run]))
 
 
-def _check_runs(k: int, name: str, values: np.ndarray, starts: np.ndarray, firsts: np.ndarray, step: int) -> None:
-    wrong = _wrong_run_entry(values, starts, firsts, step)
+def _check_runs(k: int, name: str, views: dict[str, _RunView], starts: np.ndarray, firsts: np.ndarray) -> None:
+    values = views[name]
+    wrong = _wrong_run_entry(values, starts, firsts, _RUN_STEPS[name])
     if wrong is not None:
         entry, expected = wrong
-        fail(f"microbatch {k}: layout field {name} differs from the rounds at entry {entry} ({int(values[entry])}, expected {expected})")
+        fail(f"microbatch {k}: layout field {name} differs from the rounds at entry {entry} ({int(values.at(entry))}, expected {expected})")
 
 
-def _check_sequences(flat: _Flat, rounds: _Rounds) -> None:
+def _check_sequences(flat: _Flat, rounds: _Rounds, views: list[dict[str, _RunView]]) -> None:
     """The layout's sequences are the rounds', in round order, their rows back to back."""
     flat.expect("trajectories", rounds.members, offsets_of(rounds.member_counts))
     flat.expect("trajectory_offsets", *_grouped_offsets(rounds.member_lengths, rounds.member_counts))
@@ -167,8 +288,8 @@ def _check_sequences(flat: _Flat, rounds: _Rounds) -> None:
     for k, layout in enumerate(flat.layouts):
         # sizes agree (the headers), and every sequence has rows (the rounds): each one starts a run
         starts = layout.seq_row_start[:-1]
-        _check_runs(k, "row_trajectory", layout.row_trajectory, starts, layout.seq_trajectory, 0)
-        _check_runs(k, "row_position", layout.row_position, starts, layout.seq_start, 1)
+        _check_runs(k, "row_trajectory", views[k], starts, layout.seq_trajectory)
+        _check_runs(k, "row_position", views[k], starts, layout.seq_start)
 
 
 class _Paths:
@@ -218,7 +339,7 @@ class _Pieces:
         self.bounds = offsets_of(per_sequence)[offsets_of(rounds.sequence_counts)]
 
 
-def _check_map(flat: _Flat, module: Module, rounds: _Rounds) -> None:
+def _check_map(flat: _Flat, module: Module, rounds: _Rounds, views: list[dict[str, _RunView]]) -> None:
     """Member i's position p maps to the row holding its prefix up to p; multiplicities count the members
     through each row; ancestor rows are the trajectory's rows before the sequence's start.
 
@@ -226,13 +347,13 @@ def _check_map(flat: _Flat, module: Module, rounds: _Rounds) -> None:
     (checked by ``verify_partitioned``) each map to one of the C rows, so no two rows share one. The map is
     compared run by run, a run being one trie node on one member's path: its rows are the node's rows, which
     are consecutive layout rows because sequences are chains of whole segments (an invariant of the rounds,
-    checked by ``verify_rounded``).
+    checked by ``verify_rounded``). Ancestor rows are compared run by run too, with the runs of the map.
     """
     paths = _Paths(module, rounds)
     pieces = _Pieces(paths, rounds)
+    ancestors = _AncestorRuns(paths, rounds)
     first_layout_row = np.full(len(module.trie.nodes), -1, dtype=np.int64)
     members_through = np.zeros(len(module.trie.nodes), dtype=np.int64)
-    sequence_bounds = offsets_of(rounds.sequence_counts)
     for k, layout in enumerate(flat.layouts):
         piece_nodes = pieces.node[pieces.bounds[k]:pieces.bounds[k + 1]]
         piece_rows = pieces.row[pieces.bounds[k]:pieces.bounds[k + 1]]
@@ -240,34 +361,45 @@ def _check_map(flat: _Flat, module: Module, rounds: _Rounds) -> None:
         nodes = paths.node[paths.bounds[k]:paths.bounds[k + 1]]
         tokens = paths.token[paths.bounds[k]:paths.bounds[k + 1]] - paths.token_bounds[k]
         runs = first_layout_row[nodes]
-        rows = layout.trajectory_rows
+        rows = views[k]["trajectory_rows"]
         wrong = _wrong_run_entry(rows, tokens, runs, 1)
         if wrong is not None:
             entry = wrong[0]
             member = int(np.searchsorted(layout.trajectory_offsets, entry, side="right")) - 1
             fail(
                 f"microbatch {k}: trajectory {int(layout.trajectories[member])}, position "
-                f"{entry - int(layout.trajectory_offsets[member])} maps to layout row {int(rows[entry])}, which holds another token prefix"
+                f"{entry - int(layout.trajectory_offsets[member])} maps to layout row {int(rows.at(entry))}, which holds another token prefix"
             )
         np.add.at(members_through, nodes, 1)
-        _check_runs(k, "row_multiplicity", layout.row_multiplicity, piece_rows, members_through[piece_nodes], 0)
+        _check_runs(k, "row_multiplicity", views[k], piece_rows, members_through[piece_nodes])
         members_through[nodes] = 0
         first_layout_row[piece_nodes] = -1  # the next microbatch must not see this one's rows
-        own_start = paths.sequence_member_start[sequence_bounds[k]:sequence_bounds[k + 1]] - paths.token_bounds[k]
-        _check_ancestors(k, layout, own_start)
+        # the map is right by now, so a sequence's ancestor rows are the map's runs of its member cut at its start
+        part = slice(ancestors.bounds[k], ancestors.bounds[k + 1])
+        _check_runs(k, "ancestor_rows", views[k], ancestors.start[part] - ancestors.entry_bounds[k],
+                    runs[ancestors.pair[part] - paths.bounds[k]])
 
 
-def _check_ancestors(k: int, layout: MicrobatchLayout, own_start: np.ndarray) -> None:
-    """Sequence j's ancestor rows are its trajectory's rows at positions ``[0, start)``: compared slice by
-    slice (ancestor lists are long, often longer than the map m itself, so no index array is built)."""
-    ancestors, rows = layout.ancestor_rows, layout.trajectory_rows
-    offsets = layout.ancestor_offsets.tolist()
-    for sequence, (own, start) in enumerate(zip(own_start.tolist(), layout.seq_start.tolist())):
-        if start and not np.array_equal(ancestors[offsets[sequence]:offsets[sequence + 1]], rows[own:own + start]):
-            wrong = np.flatnonzero(ancestors[offsets[sequence]:offsets[sequence + 1]] != rows[own:own + start])
-            entry = offsets[sequence] + int(wrong[0])
-            fail(f"microbatch {k}: layout field ancestor_rows differs from the rounds at entry {entry} "
-                 f"({int(ancestors[entry])}, expected {int(rows[own + int(wrong[0])])})")
+class _AncestorRuns:
+    """Every sequence's ancestor positions ``[0, start)`` cut at trie node boundaries: one run per (sequence, trie
+    node), in ancestor-row order. ``pair``: the run's (member, node) pair of :class:`_Paths` (a run starts where
+    its pair does: ancestors begin at the path's root); ``start``: its first entry among all microbatches'
+    ancestor rows end to end; ``bounds``: each microbatch's runs; ``entry_bounds``: each microbatch's first entry."""
+
+    def __init__(self, paths: _Paths, rounds: _Rounds):
+        first = paths.sequence_member_start
+        prefix_end = first + rounds.start
+        # pairs ascend in token order: the pairs holding ancestors run from the member's first to the one holding start - 1
+        first_pair = np.searchsorted(paths.token, first, side="right") - 1
+        per_sequence = np.where(rounds.start > 0, np.searchsorted(paths.token, prefix_end - 1, side="right") - first_pair, 0)
+        self.pair = concatenated_ranges(first_pair, per_sequence)
+        sequence = np.repeat(np.arange(first.size), per_sequence)
+        token = paths.token[self.pair]
+        pair_end = token + (paths.end - paths.start)[paths.node[self.pair]]
+        lengths = np.minimum(pair_end, prefix_end[sequence]) - token
+        self.start = offsets_of(lengths)[:-1]
+        self.bounds = offsets_of(per_sequence)[offsets_of(rounds.sequence_counts)]
+        self.entry_bounds = offsets_of(rounds.start)[offsets_of(rounds.sequence_counts)]
 
 
 def _check_state_handoffs(flat: _Flat, module: Module, rounds: _Rounds) -> None:
@@ -317,8 +449,8 @@ def verify_laid_out(laid_out: LaidOutModule) -> None:
     if not isinstance(layouts, tuple) or len(layouts) != len(module.microbatches):
         count = len(layouts) if isinstance(layouts, tuple) else type(layouts).__name__
         fail(f"a laid-out module needs one layout per microbatch: {len(module.microbatches)} microbatches, {count} layouts")
-    _check_headers(module, layouts)
+    views = _check_headers(module, layouts)
     flat, rounds = _Flat(layouts), _Rounds(module)
-    _check_sequences(flat, rounds)
-    _check_map(flat, module, rounds)
+    _check_sequences(flat, rounds, views)
+    _check_map(flat, module, rounds, views)
     _check_state_handoffs(flat, module, rounds)

@@ -23,8 +23,8 @@ def sorted_order_and_lcp(tokens: tuple[np.ndarray, ...]) -> tuple[list[int], lis
     strings compare as the arrays do. The LCPs compare those same bytes, read in place as 4-byte words
     (equality needs no byte order), and stop at the first mismatch.
     """
-    keys = [t.astype(">u4").tobytes() for t in tokens]
-    order = sorted(range(len(tokens)), key=lambda i: (keys[i], i))
+    keys = [trajectory.astype(">u4").tobytes() for trajectory in tokens]
+    order = sorted(range(len(tokens)), key=keys.__getitem__)  # sorted is stable: ties keep index order
     lcp = [0] * len(order)
     previous = np.frombuffer(keys[order[0]], dtype=np.uint32) if order else None
     for rank in range(1, len(order)):
@@ -64,26 +64,28 @@ def build_compact_trie(tokens: tuple[np.ndarray, ...]) -> CompactTrie:
         else:
             path[-1].ending.append(trajectory)
 
-    nodes: list[TrieNode] = []
+    preorder: list[tuple[_Building, int, int]] = []  # (node, parent id, row)
     leaf = [0] * len(tokens)
     row = 0
     stack: list[tuple[_Building, int]] = [(node, -1) for node in reversed(roots)]
     subtree_ends: list[int] = []
     while stack:
         node, parent = stack.pop()
-        node_id = len(nodes)
-        nodes.append(TrieNode(id=node_id, parent=parent, start=node.start, end=node.end, multiplicity=0, row=row))
+        node_id = len(preorder)
+        preorder.append((node, parent, row))
         subtree_ends.append(len(node.ending))
         row += node.end - node.start
         for trajectory in node.ending:
             leaf[trajectory] = node_id
         stack.extend((child, node_id) for child in reversed(node.children))
     # Children follow their parent in preorder, so one reverse sweep accumulates subtree counts.
-    for node in reversed(nodes):
-        if node.parent >= 0:
-            subtree_ends[node.parent] += subtree_ends[node.id]
-    nodes = [attrs.evolve(node, multiplicity=subtree_ends[node.id]) for node in nodes]
-    return CompactTrie(nodes=tuple(nodes), leaf=tuple(leaf), order=tuple(order), lcp=tuple(lcp), compact_tokens=row)
+    for node_id in range(len(preorder) - 1, -1, -1):
+        parent = preorder[node_id][1]
+        if parent >= 0:
+            subtree_ends[parent] += subtree_ends[node_id]
+    nodes = tuple(TrieNode(id=node_id, parent=parent, start=node.start, end=node.end, multiplicity=subtree_ends[node_id], row=node_row)
+                  for node_id, (node, parent, node_row) in enumerate(preorder))
+    return CompactTrie(nodes=nodes, leaf=tuple(leaf), order=tuple(order), lcp=tuple(lcp), compact_tokens=row)
 
 
 @builtin_pass("prefix-compress")

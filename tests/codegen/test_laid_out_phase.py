@@ -153,13 +153,44 @@ def test_a_row_outside_the_layout_is_named_by_the_verifier_and_by_loading(name, 
 
 @settings(max_examples=15, deadline=None)
 @given(laid_out_plans(max_trajectories=10))
-def test_microbatches_laid_out_in_threads_are_the_ones_laid_out_one_by_one(plan):
-    import harts.codegen.layout as codegen_layout
-    import harts.threads
+def test_microbatches_laid_out_together_are_the_ones_laid_out_alone_and_share_no_writable_memory(plan):
+    """lay_out builds each array once over every microbatch and hands each layout its part (a view): a layout must
+    be the one its microbatch gets alone, and no write through any layout array may reach another layout."""
+    together = lay_out(plan.module)
+    assert together.layouts == tuple(build_layout(plan.module, mb.index) for mb in plan.module.microbatches)
+    for layout in together.layouts:
+        for name in ARRAY_FIELDS:
+            array = getattr(layout, name)
+            assert not array.flags.writeable
+            with pytest.raises(ValueError):
+                array[...] = 0
+    verify(together)
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(codegen_layout, "THREADED_TOKENS_PER_MICROBATCH", 0)  # every plan is laid out in threads
-        patch.setattr(harts.threads.os, "cpu_count", lambda: 4)
-        threaded = lay_out(plan.module)
-    assert threaded.layouts == tuple(build_layout(plan.module, mb.index) for mb in plan.module.microbatches)
-    verify(threaded)
+
+@settings(max_examples=50, deadline=None)
+@given(runs=st.lists(st.tuples(st.integers(-50, 50), st.integers(-3, 3), st.integers(1, 6)), max_size=8))
+def test_an_array_held_as_runs_reads_as_its_runs_expanded(runs):
+    """A RunsArray expands to the entries of its runs (whatever their steps), once, read-only; pickles as it is held."""
+    import pickle
+
+    from harts.ir.layout import RunsArray, decode_arithmetic_runs
+
+    starts, steps, lengths = (np.array([run[i] for run in runs], dtype=np.int64) for i in range(3))
+    held = RunsArray.from_runs(starts, steps, lengths)
+    assert held.size == int(lengths.sum())
+    expected = decode_arithmetic_runs(starts, steps, lengths)
+    copy = pickle.loads(pickle.dumps(held))
+    array = held.array()
+    assert np.array_equal(array, expected) and array is held.array() and not array.flags.writeable
+    assert copy.runs is not None and np.array_equal(copy.array(), expected)
+    assert held.outside(int(expected.max(initial=-1)) + 1) == bool(expected.size and expected.min() < 0)
+    with pytest.raises(ValueError):
+        RunsArray.from_runs(starts, steps, np.zeros_like(lengths) if lengths.size else np.zeros(1, dtype=np.int64))
+
+
+@settings(max_examples=10, deadline=None)
+@given(laid_out_plans())
+def test_a_laid_out_plan_pickles_with_its_layouts(plan):
+    import pickle
+
+    assert pickle.loads(pickle.dumps(plan.stage)) == plan.stage

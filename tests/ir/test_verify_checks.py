@@ -15,10 +15,12 @@ import re
 import attrs
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import harts
 from harts.errors import IRVerificationError
-from harts.ir.layout import ARRAY_FIELDS, LaidOutModule
+from harts.ir.layout import ARRAY_FIELDS, RUNS_FIELDS, LaidOutModule, RunsArray
 from harts.ir.nodes import Phase
 from harts.ir.verify import verify
 from harts.rollouts.workloads import swe_like_step
@@ -136,3 +138,95 @@ def test_verifying_against_a_verified_module_skips_the_unchanged_phases(stage, m
     verify(rounded)
     assert calls == [Phase.LOWERED, Phase.COMPRESSED, Phase.PARTITIONED, Phase.SCHEDULED, Phase.SEGMENTED, Phase.ROUNDED]
     assert np.all([mb.rounds is not None for mb in rounded.microbatches])
+
+
+#: the layout arrays the verifier checks as runs (read off their runs, or off one scan of an array), and each
+#: one's step inside a run
+_STEPS = {"trajectory_rows": 1, "ancestor_rows": 1, "row_position": 1, "row_trajectory": 0, "row_multiplicity": 0}
+_RUN_CHECKED = tuple(_STEPS)
+
+
+def _as_runs(values: np.ndarray, step: int) -> RunsArray:
+    """``values`` as runs that all go up by ``step`` (a run wherever it stops doing so), as lay-out builds them."""
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(values) != step) + 1)) if values.size else np.zeros(0, dtype=np.int64)
+    lengths = np.diff(np.append(starts, values.size))
+    return RunsArray.from_runs(values[starts], np.full(starts.size, step), lengths)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_changed_row_or_token_array_is_reported_at_its_first_wrong_entry(stage, data):
+    """The run checks read each long array once (its breaks, where it stops going up by its step) and never build
+    the expected array: whatever entries change, the message names the first one that differs from the layout
+    built, with the value found and the value the rounds need, as a whole-array comparison would."""
+    k = data.draw(st.integers(0, len(stage.layouts) - 1), label="microbatch")
+    layout = stage.layouts[k]
+    name = data.draw(st.sampled_from([f for f in _RUN_CHECKED if getattr(layout, f).size]), label="field")
+    good = getattr(layout, name)
+    values = good.copy()
+    entries = data.draw(st.lists(st.integers(0, values.size - 1), min_size=1, max_size=4, unique=True), label="entries")
+    for entry in entries:
+        values[entry] = data.draw(st.integers(0, layout.num_rows - 1).filter(lambda v, e=entry: v != good[e]), label="value")
+    first = min(entries)
+    with pytest.raises(IRVerificationError) as caught:
+        verify(_with(stage, k, **{name: values}))
+    # the same entries held as runs (as lay-out holds its arrays): read off the runs, never expanded, same message
+    with pytest.raises(IRVerificationError) as caught_as_runs:
+        verify(_with(stage, k, **{name: _as_runs(values, _STEPS[name])}))
+    assert str(caught_as_runs.value) == str(caught.value)
+    if name == "trajectory_rows":
+        member = int(np.searchsorted(layout.trajectory_offsets, first, side="right")) - 1
+        expected = (f"microbatch {k}: trajectory {int(layout.trajectories[member])}, position "
+                    f"{first - int(layout.trajectory_offsets[member])} maps to layout row {int(values[first])}, which holds another token prefix")
+    else:
+        expected = (f"microbatch {k}: layout field {name} differs from the rounds at entry {first} "
+                    f"({int(values[first])}, expected {int(good[first])})")
+    assert str(caught.value) == expected
+
+
+@pytest.mark.parametrize("name", ["trajectory_rows", "ancestor_rows"])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("bad", [-1, "rows"])
+def test_a_row_outside_the_layout_is_a_structure_problem_wherever_it_is(stage, name, where, bad):
+    """The range of the map and of the ancestor rows is read off the same scan (each run's first and last entry):
+    a row out of range anywhere, inside a run or at either end of the array, is still named as before."""
+    k = _busiest(stage)
+    layout = stage.layouts[k]
+    values = getattr(layout, name).copy()
+    entry = {"first": 0, "middle": values.size // 2, "last": values.size - 1}[where]
+    values[entry] = -1 if bad == -1 else layout.num_rows
+    for held in (values, _as_runs(values, 1)):
+        with pytest.raises(IRVerificationError, match=re.escape(f"microbatch {k}: layout: {name} holds a row outside [0, {layout.num_rows})")):
+            verify(_with(stage, k, **{name: held}))
+
+
+def test_compiling_verifies_the_long_arrays_from_their_runs_without_expanding_them():
+    """lay-out hands the long arrays over as runs and the verifier reads only those: a compiled plan holds none
+    expanded; reading one expands it once (the same read-only array from then on), equal to a layout given arrays."""
+    plan = harts.compile(swe_like_step(seed=3, scale=0.03, vocab_size=500), capacity=2600, dp_size=2, chunk_size=16)
+    stage = LaidOutModule(module=plan.module, layouts=plan.layouts)
+    assert all(layout.runs_array(name).runs is not None and layout.runs_array(name)._array is None
+               for layout in stage.layouts for name in RUNS_FIELDS)
+    layout = stage.layouts[_busiest(stage)]
+    rows = layout.trajectory_rows
+    assert rows is layout.trajectory_rows and not rows.flags.writeable
+    as_arrays = attrs.evolve(layout, **{name: np.array(getattr(layout, name)) for name in RUNS_FIELDS})
+    assert as_arrays == layout and layout == as_arrays
+    assert all(as_arrays.runs_array(name).runs is None for name in RUNS_FIELDS)
+
+
+def test_a_layout_that_is_not_one_is_named_after_the_faults_of_the_layouts_before_it(stage):
+    """The headers are checked layout after layout: a structure fault in an earlier layout is named before a later
+    entry that is not a layout at all, and that entry is named when the layouts before it are sound."""
+    k = _busiest(stage)
+    layout = stage.layouts[k]
+    not_a_layout = list(stage.layouts)
+    not_a_layout[k] = "layout"
+    with pytest.raises(IRVerificationError, match=f"microbatch {k}: expected a MicrobatchLayout, got str"):
+        verify(LaidOutModule(module=stage.module, layouts=tuple(not_a_layout)))
+    rows = stage.layouts[0].trajectory_rows.copy()
+    rows[0] = -1
+    not_a_layout[0] = attrs.evolve(stage.layouts[0], trajectory_rows=rows)
+    with pytest.raises(IRVerificationError, match=re.escape("microbatch 0: layout: trajectory_rows holds a row outside")):
+        verify(LaidOutModule(module=stage.module, layouts=tuple(not_a_layout)))
+    assert layout.num_rows

@@ -169,3 +169,37 @@ def test_compile_hashing_beside_the_trie_gives_the_plan_of_the_passes_run_one_by
     assert plan.module.input_hash == fresh.input_hash() == batch.input_hash()
     assert plan.module == one_by_one.module
     assert plan.layouts == one_by_one.layouts
+
+
+@pytest.mark.parametrize("collector_on", [True, False])
+def test_compiling_pauses_the_cyclic_collector_and_leaves_it_as_it_found_it(collector_on):
+    """harts.compile runs without the cyclic collector (it allocates many IR nodes and frees few) and hands it
+    back as it was, after a plan and after a failure alike; a collector the caller switched off stays off."""
+    import gc
+
+    from harts.passes.manager import Instrument
+
+    class WatchCollector(Instrument):
+        def __init__(self):
+            self.seen = set()
+
+        def before_pass(self, step, module):
+            self.seen.add(gc.isenabled())
+
+    batch = harts.RolloutBatch.from_trajectories([[1, 2, 3, 4], [1, 2, 5]])
+    was = gc.isenabled()
+    try:
+        (gc.enable if collector_on else gc.disable)()
+        watch = WatchCollector()
+        harts.compile(batch, chunk_size=2, instruments=[watch])
+        assert watch.seen == {False} and gc.isenabled() == collector_on
+
+        class Fails(Instrument):
+            def after_pass(self, step, module, seconds):
+                raise PipelineError("stop here")
+
+        with pytest.raises(PipelineError, match="stop here"):
+            harts.compile(batch, chunk_size=2, instruments=[Fails()])
+        assert gc.isenabled() == collector_on
+    finally:
+        (gc.enable if was else gc.disable)()
