@@ -37,6 +37,7 @@ from harts.ir.layout import (
     decode_arithmetic_runs,
     encode_arithmetic_runs,
     offsets_of,
+    sequence_columns,
     state_handoffs,
 )
 from harts.ir.nodes import Microbatch, Module, Phase
@@ -65,12 +66,9 @@ class _Sequences:
         self.pairs = [[(round_.index, sequence) for round_ in mb.rounds for sequence in round_.sequences] for mb in microbatches]
         self.bounds = offsets_of([len(pairs) for pairs in self.pairs])
         flat = list(itertools.chain.from_iterable(self.pairs))
-        count = len(flat)
-        self.round = np.fromiter((r for r, _ in flat), dtype=np.int64, count=count)
-        self.trajectory = np.fromiter((s.trajectory for _, s in flat), dtype=np.int64, count=count)
-        self.start = np.fromiter((s.start for _, s in flat), dtype=np.int64, count=count)
-        self.end = np.fromiter((s.end for _, s in flat), dtype=np.int64, count=count)
-        self.replay_start = np.fromiter((s.replay_start for _, s in flat), dtype=np.int64, count=count)
+        columns = sequence_columns(flat)
+        self.round, self.trajectory = columns["round"], columns["trajectory"]
+        self.start, self.end, self.replay_start = columns["start"], columns["end"], columns["replay_start"]
         self.spans = self.end - self.start
         self.row_start = offsets_of(self.spans)
         self.row_bounds = self.row_start[self.bounds]

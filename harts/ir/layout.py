@@ -119,6 +119,16 @@ def offsets_of(lengths) -> np.ndarray:
     return out
 
 
+def sequence_columns(sequences: Sequence[tuple[int, InputSequence]]) -> dict[str, np.ndarray]:
+    """Each of ``sequences``' (round, sequence) pairs as one entry of int64 columns: ``round``,
+    ``trajectory``, ``start``, ``end`` and ``replay_start``."""
+    count = len(sequences)
+    columns = {"round": np.fromiter((r for r, _ in sequences), dtype=np.int64, count=count)}
+    for name in ("trajectory", "start", "end", "replay_start"):
+        columns[name] = np.fromiter((getattr(s, name) for _, s in sequences), dtype=np.int64, count=count)
+    return columns
+
+
 def state_handoffs(sequences: Sequence[tuple[int, InputSequence]], chunk_size: int) -> dict[str, np.ndarray]:
     """The export and state-source arrays of a layout whose sequences are ``sequences``.
 

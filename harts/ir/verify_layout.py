@@ -32,7 +32,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from harts.ir.layout import ARRAY_FIELDS, RUNS_FIELDS, LaidOutModule, MicrobatchLayout, RunsArray, concatenated_ranges, offsets_of
+from harts.ir.layout import (
+    ARRAY_FIELDS,
+    RUNS_FIELDS,
+    LaidOutModule,
+    MicrobatchLayout,
+    RunsArray,
+    concatenated_ranges,
+    offsets_of,
+    sequence_columns,
+)
 from harts.ir.nodes import Module, Phase
 from harts.ir.verify_common import fail
 
@@ -237,12 +246,9 @@ class _Rounds:
                                            weights=self.round_sizes, minlength=len(microbatches)).astype(np.int64)
         sequences = [(r.index, s) for mb in microbatches for r in mb.rounds for s in r.sequences]
         self.sequences = sequences
-        count = len(sequences)
-        self.round = np.fromiter((r for r, _ in sequences), dtype=np.int64, count=count)
-        self.trajectory = np.fromiter((s.trajectory for _, s in sequences), dtype=np.int64, count=count)
-        self.start = np.fromiter((s.start for _, s in sequences), dtype=np.int64, count=count)
-        self.end = np.fromiter((s.end for _, s in sequences), dtype=np.int64, count=count)
-        self.replay_start = np.fromiter((s.replay_start for _, s in sequences), dtype=np.int64, count=count)
+        columns = sequence_columns(sequences)
+        self.round, self.trajectory = columns["round"], columns["trajectory"]
+        self.start, self.end, self.replay_start = columns["start"], columns["end"], columns["replay_start"]
         self.spans = self.end - self.start
 
 
