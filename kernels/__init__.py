@@ -25,8 +25,32 @@ protocol per operator) that :mod:`harts.kernels.naive` (the references in one na
 every operator implementation follow.
 """
 
-from . import dispatch, interface, naive
-from .dispatch import Dispatch
-from .interface import Kernels
+import sys
+
+
+def _hand_the_name_to_the_installed_distribution() -> bool:
+    """From a source checkout's root (its tests, benchmarks and scripts put the root on ``sys.path``) this
+    folder is importable as a top-level ``kernels``, and it would hide the Hugging Face ``kernels``
+    distribution that transformers (5.25 on) imports under that name. HARTS imports this folder only as
+    ``harts.kernels``; a top-level import gets the installed distribution when one exists."""
+    import importlib.machinery
+    import importlib.util
+    import os
+
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    elsewhere = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != checkout]
+    spec = importlib.machinery.PathFinder.find_spec(__name__, elsewhere)
+    if spec is None or spec.loader is None:
+        return False
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[__name__] = module
+    spec.loader.exec_module(module)
+    return True
+
+
+if __name__ != "kernels" or not _hand_the_name_to_the_installed_distribution():
+    from . import dispatch, interface, naive
+    from .dispatch import Dispatch
+    from .interface import Kernels
 
 __all__ = ["Dispatch", "Kernels", "dispatch", "interface", "naive"]
