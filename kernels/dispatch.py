@@ -140,9 +140,7 @@ class Dispatch:
             from .attention import varlen
 
             if varlen.flash_varlen_available(q, k, v):
-                width = varlen.flash_head_dim(q.shape[-1], v.shape[-1])
-                if width != v.shape[-1]:
-                    return torch.nn.functional.pad(v, (0, width - v.shape[-1]))
+                return varlen.flash_values(q, v)
         return v
 
     def moe_experts(self, x, indices, weights, gate_up_proj, down_proj):

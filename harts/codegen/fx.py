@@ -229,18 +229,17 @@ def build_attention_program(layout: MicrobatchLayout, kernels=None) -> torch.fx.
     v = b.graph.placeholder("v")
     scale = b.graph.placeholder("scale")
     rows, kv_offsets = attention_kv_rows(layout)
-    shares_rows = contiguous_span(rows) != (0, layout.num_rows)  # some sequence reads its ancestors' rows
-    # a kernel that pads narrower values (MLA on FlashAttention) gets them padded on the compact rows,
-    # once, rather than on every row of the gathered view
     values = v
-    if shares_rows and hasattr(kernels, "attention_values"):
-        values = b.call(kernels.attention_values, (q, k, v), name="kernel_values")
-    if shares_rows:
+    if contiguous_span(rows) == (0, layout.num_rows):  # every sequence reads only its own rows
+        k_view, v_view = k, v
+    else:
+        # a kernel that pads narrower values (MLA on FlashAttention) gets them padded on the compact rows,
+        # once, rather than on every row of the gathered view
+        if hasattr(kernels, "attention_values"):
+            values = b.call(kernels.attention_values, (q, k, v), name="kernel_values")
         view = b.submodule("kv_view", RowGather(layout.num_rows, [rows]))
         k_view = b.call(operator.getitem, (b.call_module(view, (k,), name="k_views"), 0), name="k_view")
         v_view = b.call(operator.getitem, (b.call_module(view, (values,), name="v_views"), 0), name="v_view")
-    else:
-        k_view, v_view = k, v
     cu_q = b.buffer("cu_seqlens_q", layout.seq_row_start)
     cu_k = b.buffer("cu_seqlens_k", kv_offsets)
     o = b.call(kernels.attention, (q, k_view, v_view, cu_q, cu_k), {"scale": scale, "causal": True}, name="o")

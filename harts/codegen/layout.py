@@ -73,7 +73,6 @@ class _Sequences:
         self.row_start = offsets_of(self.spans)
         self.row_bounds = self.row_start[self.bounds]
         self.microbatch = np.repeat(np.arange(len(microbatches), dtype=np.int64), np.diff(self.bounds))
-        self.flat = flat
 
 
 def _first_rows(module: Module, microbatches: Sequence[Microbatch], sequences: _Sequences) -> tuple[np.ndarray, np.ndarray]:

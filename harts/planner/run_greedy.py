@@ -43,14 +43,9 @@ _COLUMN_BITS = 32
 _COLUMN_MASK = (1 << _COLUMN_BITS) - 1
 
 
-def prefix_runs(space: RankSpace) -> tuple[int, np.ndarray, np.ndarray]:
-    """``floor`` and, by rank, the first and last rank of the rank's run (:meth:`RankSpace.prefix_runs`)."""
-    return space.prefix_runs()
-
-
 def runs_fit(space: RankSpace) -> bool:
     """Whether every run is small enough for :func:`place_lanes`."""
-    _, firsts, lasts = prefix_runs(space)
+    _, firsts, lasts = space.prefix_runs()
     return int((lasts - firsts).max(initial=0)) < RUN_LIMIT
 
 
@@ -69,7 +64,7 @@ class RunPlacer:
     one (the same order, and the same policy where policies can differ) is not placed again."""
 
     def __init__(self, space: RankSpace, capacity: int):
-        floor, firsts, lasts = prefix_runs(space)
+        floor, firsts, lasts = space.prefix_runs()
         self.alone = bool((lasts == firsts).all())
         self.context = (capacity, space.lengths.tolist(), floor, np.cumsum(firsts == np.arange(space.size)).tolist(),
                         firsts.tolist(), _RunRows(space, firsts, lasts))

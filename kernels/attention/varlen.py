@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .._checks import sequence_bounds
 
-__all__ = ["attention", "flash_head_dim", "flash_varlen_available"]
+__all__ = ["attention", "flash_head_dim", "flash_values", "flash_varlen_available"]
 
 _FLASH_DTYPES = (torch.bfloat16, torch.float16)
 _MAX_FLASH_HEAD_DIM = 256
@@ -78,6 +78,12 @@ def flash_head_dim(query_dim: int, value_dim: int) -> int:
 
 def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
     return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+def flash_values(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``v`` zero-padded to the head dim :func:`attention`'s FlashAttention path computes with (``v`` itself
+    when it is that wide already), so that path pads nothing more."""
+    return _pad_last(v, flash_head_dim(q.shape[-1], v.shape[-1]))
 
 
 def _flash(q, k, v, q_bounds, k_bounds, cu_q, cu_k, scale, causal):

@@ -100,6 +100,16 @@ def test_layout_parents_chain_every_trajectory_to_its_root():
     assert np.all(leave > np.arange(layout.num_rows))
 
 
+def test_flash_values_pad_to_the_head_dim_flash_computes_with():
+    q = torch.zeros(3, 2, 20)
+    v = torch.randn(3, 2, 13)
+    padded = varlen.flash_values(q, v)
+    assert padded.shape == (3, 2, 24)  # the wider of 20 and 13, rounded up to 8
+    assert torch.equal(padded[..., :13], v) and not padded[..., 13:].any()
+    wide = torch.randn(3, 2, 24)
+    assert varlen.flash_values(q, wide) is wide
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16-flash", "fp32-sdpa"])

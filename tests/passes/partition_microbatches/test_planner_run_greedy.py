@@ -44,7 +44,7 @@ def plan_summary(plan):
 @given(prompted_forests())
 def test_runs_split_where_the_floor_lcp_is(trajectories):
     index = compressed_index(trajectories)
-    floor, firsts, lasts = run_greedy.prefix_runs(RankSpace(index))
+    floor, firsts, lasts = RankSpace(index).prefix_runs()
     n = index.size
     for i in range(n):
         assert firsts[i] <= i <= lasts[i]
@@ -100,7 +100,7 @@ def test_without_sharing_beyond_the_prompt_both_policies_agree():
     rng = np.random.default_rng(5)
     trajectories = [[7, 7, 7, 10 + i] + [int(t) for t in rng.integers(0, 5, rng.integers(1, 9))] for i in range(30)]
     space = RankSpace(compressed_index(trajectories))
-    floor, firsts, lasts = run_greedy.prefix_runs(space)
+    floor, firsts, lasts = space.prefix_runs()
     assert floor == 3 and np.array_equal(firsts, lasts)
     lanes = [(greedy.processing_order(space, "longest"), policy) for policy in greedy.POLICIES]
     (best_fit, _), (max_shared, _) = run_greedy.place_lanes(space, 24, lanes)
