@@ -107,7 +107,7 @@ def causal_conv1d(
     if context is None or weight.shape[1] < 2 or x.shape[0] == 0:
         return _packed_call(fla_causal_conv1d, x, weight, bias, bounds, activation)
     if CONTEXT_BY_HEAD_WINDOWS:
-        return _with_head_windows(fla_causal_conv1d, x, weight, bias, bounds, context, activation)
+        return _with_head_windows(x, weight, bias, bounds, context, activation)
     num_sequences, channels = len(bounds) - 1, x.shape[1]
     unread_slot = x.new_zeros(num_sequences, channels, 1)
     initial_state = torch.cat([unread_slot, context.to(x.dtype).transpose(1, 2)], dim=2)  # [N, D, W]
@@ -152,7 +152,77 @@ def _head_rows(bounds: np.ndarray, history: int, device: torch.device) -> tuple[
     return _cached_head_rows(np.ascontiguousarray(bounds, dtype=np.int64).tobytes(), history, str(device))
 
 
-def _with_head_windows(fla_causal_conv1d, x, weight, bias, bounds, context, activation) -> torch.Tensor:
+def _fla_ops():
+    from fla.modules.causal_conv1d import causal_conv1d_bwd, causal_conv1d_fwd
+    return causal_conv1d_fwd, causal_conv1d_bwd
+
+
+def _plain_forward(x, weight, bias, bounds, activation) -> torch.Tensor:
+    """fla's forward kernel over packed sequences from zeros: x [T, D] -> a fresh y [T, D]."""
+    device_bounds, host_bounds, block_table = _call_layout(bounds, x.device)
+    y, _ = _fla_ops()[0](x.unsqueeze(0), weight, bias, None, None, False, activation, device_bounds, host_bounds,
+                         block_table, _BLOCK_ROWS)
+    return y.squeeze(0)
+
+
+def _plain_backward(x, dy, weight, bias, bounds, activation):
+    """fla's backward of :func:`_plain_forward`: (dx [T, D], d weight, d bias or None)."""
+    device_bounds, host_bounds, block_table = _call_layout(bounds, x.device)
+    dx, dw, db, _, _ = _fla_ops()[1](x.unsqueeze(0), dy.unsqueeze(0), None, weight, bias, None, None, activation,
+                                     device_bounds, host_bounds, block_table, _BLOCK_ROWS)
+    return dx.squeeze(0), dw, db
+
+
+class _HeadWindowsConv(torch.autograd.Function):
+    """The convolution with context as two plain calls of fla's kernels (see :func:`_with_head_windows`).
+
+    An autograd function of its own because the composition of fla's autograd calls cannot write the
+    head rows into fla's output (autograd forbids writing into that view), so it copied the whole
+    output once per forward and summed two full-size input gradients: about 16 ms per headline pass on
+    an H200. Here the forward writes the head rows into the output it owns, and the backward adds the
+    head windows' input gradient into the rows it reached.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, context, bounds, activation):
+        history = weight.shape[1] - 1
+        num_sequences, channels = len(bounds) - 1, x.shape[1]
+        reads, valid, rows = _head_rows(bounds, history, x.device)
+        y = _plain_forward(x, weight, bias, bounds, activation)
+        own_heads = x.index_select(0, reads).view(num_sequences, history, channels)
+        windows = torch.cat([context.to(x.dtype), own_heads], dim=1).view(num_sequences * 2 * history, channels)
+        window_bounds = np.arange(num_sequences + 1, dtype=np.int64) * 2 * history
+        heads = _plain_forward(windows, weight, bias, window_bounds, activation)
+        heads = heads.view(num_sequences, 2 * history, channels)[:, history:].reshape(num_sequences * history, channels)
+        y.index_copy_(0, rows, heads.index_select(0, valid))
+        ctx.save_for_backward(x, weight, bias, windows, reads, valid, rows)
+        ctx.shape = (bounds, window_bounds, history, num_sequences, activation, context.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, windows, reads, valid, rows = ctx.saved_tensors
+        bounds, window_bounds, history, num_sequences, activation, context_dtype = ctx.shape
+        channels = x.shape[1]
+        dy = dy.contiguous()
+        dy_heads = dy.index_select(0, rows)
+        # the head rows' outputs came from the windows: the packed call's gradient excludes them
+        masked = dy.index_fill(0, rows, 0)
+        dx, dw, db = _plain_backward(x, masked, weight, bias, bounds, activation)
+        head_dy = dy.new_zeros(num_sequences * history, channels).index_copy_(0, valid, dy_heads)
+        window_dy = torch.cat([torch.zeros_like(head_dy), head_dy], dim=0).view(2, num_sequences, history, channels)
+        window_dy = window_dy.transpose(0, 1).reshape(num_sequences * 2 * history, channels)  # [N, 2(W-1), D]
+        d_windows, dw_windows, db_windows = _plain_backward(
+            windows, window_dy, weight, bias, window_bounds, activation)
+        d_windows = d_windows.view(num_sequences, 2 * history, channels)
+        own = d_windows[:, history:].reshape(num_sequences * history, channels).index_select(0, valid)
+        dx.index_add_(0, reads.index_select(0, valid), own)
+        d_context = d_windows[:, :history].to(context_dtype)
+        d_bias = None if bias is None else db + db_windows
+        return dx, dw + dw_windows, d_bias, d_context, None, None
+
+
+def _with_head_windows(x, weight, bias, bounds, context, activation) -> torch.Tensor:
     """The convolution with context, as two calls of fla's kernel without initial states.
 
     One call runs every packed sequence from zeros; its first ``W - 1`` rows per sequence miss their
@@ -164,15 +234,4 @@ def _with_head_windows(fla_causal_conv1d, x, weight, bias, bounds, context, acti
     the plain one 0.341 ms; forward and backward 6.79 ms against 5.50 ms. Gradients reach x, the weight
     and the context through both calls.
     """
-    history = weight.shape[1] - 1
-    num_sequences, channels = len(bounds) - 1, x.shape[1]
-    reads, valid, rows = _head_rows(bounds, history, x.device)
-    y = _packed_call(fla_causal_conv1d, x, weight, bias, bounds, activation)
-    own_heads = x.index_select(0, reads).view(num_sequences, history, channels)
-    windows = torch.cat([context.to(x.dtype), own_heads], dim=1).view(num_sequences * 2 * history, channels)
-    window_bounds = np.arange(num_sequences + 1, dtype=np.int64) * 2 * history
-    heads = _packed_call(fla_causal_conv1d, windows, weight, bias, window_bounds, activation)
-    heads = heads.view(num_sequences, 2 * history, channels)[:, history:].reshape(num_sequences * history, channels)
-    # out of place: the output of fla's autograd function is a view it forbids writing into
-    return y.index_copy(0, rows, heads.index_select(0, valid))
-
+    return _HeadWindowsConv.apply(x, weight, bias, context, bounds, activation)
