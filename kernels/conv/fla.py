@@ -195,28 +195,28 @@ class _HeadWindowsConv(torch.autograd.Function):
         heads = _plain_forward(windows, weight, bias, window_bounds, activation)
         heads = heads.view(num_sequences, 2 * history, channels)[:, history:].reshape(num_sequences * history, channels)
         y.index_copy_(0, rows, heads.index_select(0, valid))
-        ctx.save_for_backward(x, weight, bias, windows, reads, valid, rows)
-        ctx.shape = (bounds, window_bounds, history, num_sequences, activation, context.dtype)
+        ctx.save_for_backward(x, weight, bias, windows, valid, rows)
+        ctx.call = (bounds, window_bounds, history, num_sequences, activation, context.dtype)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, bias, windows, reads, valid, rows = ctx.saved_tensors
-        bounds, window_bounds, history, num_sequences, activation, context_dtype = ctx.shape
+        x, weight, bias, windows, valid, rows = ctx.saved_tensors
+        bounds, window_bounds, history, num_sequences, activation, context_dtype = ctx.call
         channels = x.shape[1]
         dy = dy.contiguous()
         dy_heads = dy.index_select(0, rows)
         # the head rows' outputs came from the windows: the packed call's gradient excludes them
         masked = dy.index_fill(0, rows, 0)
         dx, dw, db = _plain_backward(x, masked, weight, bias, bounds, activation)
-        head_dy = dy.new_zeros(num_sequences * history, channels).index_copy_(0, valid, dy_heads)
-        window_dy = torch.cat([torch.zeros_like(head_dy), head_dy], dim=0).view(2, num_sequences, history, channels)
-        window_dy = window_dy.transpose(0, 1).reshape(num_sequences * 2 * history, channels)  # [N, 2(W-1), D]
+        window_dy = dy.new_zeros(num_sequences, 2 * history, channels)  # the context rows' outputs are not kept
+        window_dy[:, history:] = dy.new_zeros(num_sequences * history, channels).index_copy_(0, valid, dy_heads).view(
+            num_sequences, history, channels)
         d_windows, dw_windows, db_windows = _plain_backward(
-            windows, window_dy, weight, bias, window_bounds, activation)
+            windows, window_dy.view(-1, channels), weight, bias, window_bounds, activation)
         d_windows = d_windows.view(num_sequences, 2 * history, channels)
         own = d_windows[:, history:].reshape(num_sequences * history, channels).index_select(0, valid)
-        dx.index_add_(0, reads.index_select(0, valid), own)
+        dx.index_add_(0, rows, own)  # the valid reads are exactly the head rows
         d_context = d_windows[:, :history].to(context_dtype)
         d_bias = None if bias is None else db + db_windows
         return dx, dw + dw_windows, d_bias, d_context, None, None
