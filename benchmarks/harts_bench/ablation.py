@@ -35,7 +35,7 @@ from harts.ir.nodes import CompactTrie
 from harts.kernels.attention.tree_mask import layout_parents
 from harts.runtime.programs import RUNTIME_CACHE
 from harts.runtime.tree_view import TreeView
-from harts.runtime.view import BaselineView
+from harts.runtime.view import BaselineView, SameRows
 
 __all__ = [
     "NoReplayView",
@@ -215,6 +215,10 @@ class NodeAtATimeView(TreeView):
     def linear_attention_calls(self) -> int:
         """Chunkwise calls per linear-attention layer: one per node."""
         return self.nodes.num_nodes
+
+    def linear_rows(self) -> SameRows:
+        """The node calls read the compact rows (a node replays nothing), not TreeView's round-packed ones."""
+        return SameRows(self)
 
     def linear_attention(self, q, k, v, log_decay, beta, *, scale):
         self._check_rows(q, "linear_attention q")

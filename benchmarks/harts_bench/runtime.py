@@ -135,6 +135,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--capacity", type=int, default=65536)
     parser.add_argument("--plan-repeats", type=int, default=3,
                         help="compiles timed after the first; core uses their median (the first pays imports)")
+    parser.add_argument("--pipeline", default=None,
+                        help="harts.compile's pipeline text for the timed plan (default: the default pipeline), e.g. "
+                             "'lower,prefix-compress,partition-microbatches,schedule-slots,segment,"
+                             "min-call-rounds{shorten_critical_path=true},lay-out'")
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_OPTIONS.chunk_size,
                         help="linear-attention chunk size B of the plan and of every kernel call")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -260,7 +264,7 @@ def build_workload(args, config: HybridConfig):
     seconds = []
     for _ in range(1 + max(0, args.plan_repeats)):
         plan_start = time.perf_counter()
-        plan = harts.compile(batch, capacity=args.capacity, chunk_size=args.chunk_size)
+        plan = harts.compile(batch, capacity=args.capacity, chunk_size=args.chunk_size, pipeline=args.pipeline)
         seconds.append(time.perf_counter() - plan_start)
     steady = float(np.median(seconds[1:])) if len(seconds) > 1 else seconds[0]
     say(f"planning: first compile {seconds[0]:.3f} s, steady state {steady:.3f} s (median of {len(seconds) - 1})")

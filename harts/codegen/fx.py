@@ -14,6 +14,9 @@ calls them), and their code prints with the ``codegen`` stage of an IR dump
   :mod:`harts.kernels.rows.packed`, whose backward writes each row's gradient once.
 * causal convolution ``(x, weight, bias, activation) -> y``: one packed call over the
   sequences' own rows, each preceded by its true ancestors' last ``w - 1`` rows.
+* the same two on the linear-attention layers' packed rows (:func:`linear_rows`: every round's
+  replay and own rows, rounds back to back), which such a layer gathers its hidden rows into
+  once: the rounds are slices, and the convolution's sequences are the packed ones.
 * attention ``(q, k, v, scale) -> o``: compact queries per sequence (already contiguous in
   the layout) against a gathered ancestor + own key/value view, bottom-right causal.
 * log-probs ``(hidden, input_ids, weight, bias) -> (log_probs, entropy)``: one vocabulary
@@ -37,7 +40,7 @@ from harts.kernels.rows.packed import RowGather, RowScatter, contiguous_span
 from harts.numerics import compact_log_probs
 
 #: The kinds of program a layout lowers to (one per sequence operator, plus log-probs).
-PROGRAM_KINDS = ("linear_attention", "conv", "attention", "log_probs")
+PROGRAM_KINDS = ("linear_attention", "conv", "attention", "log_probs", "packed_linear_attention", "packed_conv")
 
 
 def default_kernels():
@@ -101,26 +104,16 @@ def round_schedule(layout: MicrobatchLayout, round_index: int) -> dict[str, Any]
     }
 
 
-def build_linear_attention_program(layout: MicrobatchLayout, kernels=None) -> torch.fx.GraphModule:
-    """One packed chunkwise call per round, with gathers, state handoffs and output selection.
-
-    The rounds' packed inputs come from one :class:`~harts.kernels.rows.packed.RowGather` per
-    program (shared by q, k, v, decay and beta) and their outputs go back through one
-    :class:`~harts.kernels.rows.packed.RowScatter`, so each compact row's gradient is written
-    once rather than summed over full-size zero-padded gradients of every round.
-    """
-    kernels = kernels or default_kernels()
-    b = _ProgramBuilder()
-    inputs = {name: b.graph.placeholder(name) for name in ("q", "k", "v", "log_decay", "beta")}
-    scale = b.graph.placeholder("scale")
+def _round_calls(b: _ProgramBuilder, layout: MicrobatchLayout, schedules: list[dict[str, Any]], round_inputs,
+                 scale: torch.fx.Node, kernels) -> list[torch.fx.Node]:
+    """One chunkwise call per round on ``round_inputs(r)`` (its packed q, k, v, decay, beta), with the state
+    handoffs: exported boundary states become later rounds' initial states, inside the autograd graph.
+    Returns the rounds' packed outputs."""
     export_round = layout.seq_round[layout.export_sequence()]
-    schedules = [round_schedule(layout, r) for r in range(layout.num_rounds)]
-    pack = b.submodule("pack_rounds", RowGather(layout.num_rows, [schedule["rows"] for schedule in schedules]))
-    packed_rounds = {name: b.call_module(pack, (node,), name=f"{name}_rounds") for name, node in inputs.items()}
     exported_by_round: dict[int, torch.fx.Node] = {}
     outputs = []
     for r, schedule in enumerate(schedules):
-        packed = {name: b.call(operator.getitem, (node, r), name=f"{name}_round{r}") for name, node in packed_rounds.items()}
+        packed = round_inputs(r)
         cu_seqlens = b.buffer(f"round{r}_cu_seqlens", schedule["cu_seqlens"])
 
         initial_state = None
@@ -157,6 +150,32 @@ def build_linear_attention_program(layout: MicrobatchLayout, kernels=None) -> to
         outputs.append(b.call(operator.getitem, (call, 0), name=f"o_round{r}"))
         if schedule["export_chunks"] is not None:
             exported_by_round[r] = b.call(operator.getitem, (call, 2), name=f"exported_round{r}")
+    return outputs
+
+
+_LINEAR_INPUTS = ("q", "k", "v", "log_decay", "beta")
+
+
+def build_linear_attention_program(layout: MicrobatchLayout, kernels=None) -> torch.fx.GraphModule:
+    """One packed chunkwise call per round on the compact rows, with gathers, state handoffs and output selection.
+
+    The rounds' packed inputs come from one :class:`~harts.kernels.rows.packed.RowGather` per
+    program (shared by q, k, v, decay and beta) and their outputs go back through one
+    :class:`~harts.kernels.rows.packed.RowScatter`, so each compact row's gradient is written
+    once rather than summed over full-size zero-padded gradients of every round.
+    """
+    kernels = kernels or default_kernels()
+    b = _ProgramBuilder()
+    inputs = {name: b.graph.placeholder(name) for name in _LINEAR_INPUTS}
+    scale = b.graph.placeholder("scale")
+    schedules = [round_schedule(layout, r) for r in range(layout.num_rounds)]
+    pack = b.submodule("pack_rounds", RowGather(layout.num_rows, [schedule["rows"] for schedule in schedules]))
+    packed_rounds = {name: b.call_module(pack, (node,), name=f"{name}_rounds") for name, node in inputs.items()}
+
+    def round_inputs(r: int) -> dict[str, torch.fx.Node]:
+        return {name: b.call(operator.getitem, (node, r), name=f"{name}_round{r}") for name, node in packed_rounds.items()}
+
+    outputs = _round_calls(b, layout, schedules, round_inputs, scale, kernels)
     # round-major compact order: round r's own rows are the next block of rows
     starts = layout.seq_row_start[layout.round_seq_start]
     unpack = b.submodule("unpack_rounds", RowScatter(
@@ -166,6 +185,59 @@ def build_linear_attention_program(layout: MicrobatchLayout, kernels=None) -> to
         [schedule["rows"].size for schedule in schedules],
     ))
     return b.finish(b.call_module(unpack, tuple(outputs), name="o"), "LinearAttentionRounds")
+
+
+def linear_rows(layout: MicrobatchLayout) -> dict[str, np.ndarray]:
+    """The rows the linear-attention layers run on: every round's packed input, rounds back to back.
+
+    A round packs each of its sequences as its replay rows (an ancestor's last rows, re-read from the
+    chunk boundary its initial state sits on) followed by its own rows; with no replay anywhere these
+    are the compact rows in their own order. A layer that gathers its hidden rows into this order once
+    (3 KB a row on the headline model) runs projections, convolution and the chunkwise calls on it, the
+    rounds being slices, instead of gathering every round's q, k, v, decay and beta (20 KB a row) and
+    scattering their outputs back; the replay rows' projections are computed twice, the price of that.
+
+    Returns ``rows`` [P] (the compact row of each packed row), ``round_bounds`` [rounds + 1] and
+    ``sequence_bounds`` [Q + 1] (packed offsets), ``own`` [C] (the packed row where each compact row is
+    one of its sequence's own rows) and ``has_replay`` (whether P > C; if not, ``rows`` is ``0 .. C - 1``).
+    """
+    schedules = [round_schedule(layout, r) for r in range(layout.num_rounds)]
+    sizes = [schedule["rows"].size for schedule in schedules]
+    round_bounds = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=round_bounds[1:])
+    starts = layout.seq_row_start[layout.round_seq_start]
+    own = np.empty(layout.num_rows, dtype=np.int64)
+    sequence_bounds = [np.zeros(1, dtype=np.int64)]
+    for r, schedule in enumerate(schedules):
+        own[starts[r] : starts[r + 1]] = round_bounds[r] + schedule["keep"]
+        sequence_bounds.append(round_bounds[r] + schedule["cu_seqlens"][1:])
+    rows = np.concatenate([schedule["rows"] for schedule in schedules]) if schedules else np.zeros(0, dtype=np.int64)
+    return {
+        "rows": rows,
+        "round_bounds": round_bounds,
+        "sequence_bounds": np.concatenate(sequence_bounds),
+        "own": own,
+        "has_replay": bool(rows.size != layout.num_rows),
+    }
+
+
+def build_packed_linear_attention_program(layout: MicrobatchLayout, kernels=None) -> torch.fx.GraphModule:
+    """The chunkwise rounds on :func:`linear_rows`' packed rows: each round's inputs are a slice, its output the
+    same slice of the result (replay positions included)."""
+    kernels = kernels or default_kernels()
+    b = _ProgramBuilder()
+    inputs = {name: b.graph.placeholder(name) for name in _LINEAR_INPUTS}
+    scale = b.graph.placeholder("scale")
+    schedules = [round_schedule(layout, r) for r in range(layout.num_rounds)]
+    bounds = linear_rows(layout)["round_bounds"]
+
+    def round_inputs(r: int) -> dict[str, torch.fx.Node]:
+        start, length = int(bounds[r]), int(bounds[r + 1] - bounds[r])
+        return {name: b.call(torch.narrow, (node, 0, start, length), name=f"{name}_round{r}") for name, node in inputs.items()}
+
+    outputs = _round_calls(b, layout, schedules, round_inputs, scale, kernels)
+    o = outputs[0] if len(outputs) == 1 else b.call(torch.cat, (outputs, 0), name="o")
+    return b.finish(o, "PackedLinearAttentionRounds")
 
 
 def _zero_padded(values: torch.Tensor, slots: torch.Tensor, total: int) -> torch.Tensor:
@@ -185,27 +257,57 @@ def conv_context_rows(layout: MicrobatchLayout, width: int) -> np.ndarray:
     return context
 
 
-def build_conv_program(layout: MicrobatchLayout, width: int, kernels=None) -> torch.fx.GraphModule:
-    """Depthwise causal convolution over each sequence's own rows with true-ancestor context."""
+def packed_conv_context_rows(layout: MicrobatchLayout, width: int) -> np.ndarray:
+    """[Q, width-1] packed rows (:func:`linear_rows`) of the ``width - 1`` true-ancestor positions before each
+    sequence's packed rows (its replay start), each at the packed row that computes it as its own (-1 before
+    position 0)."""
+    context = np.full((layout.num_sequences, max(width - 1, 0)), -1, dtype=np.int64)
+    if width <= 1:
+        return context
+    own = linear_rows(layout)["own"]
+    for sequence in range(layout.num_sequences):
+        before = layout.ancestor_rows_of(sequence)[: int(layout.seq_replay_start[sequence])][-(width - 1) :]
+        if before.size:
+            context[sequence, width - 1 - before.size :] = own[before]
+    return context
+
+
+def _conv_program(num_rows: int, bounds: np.ndarray, rows: np.ndarray, width: int, kernels, class_name: str
+                  ) -> torch.fx.GraphModule:
+    """Depthwise causal convolution over ``num_rows`` rows in sequences ``bounds``, sequence ``i`` preceded by
+    the rows ``rows[i]`` of the same tensor (-1: zeros, before position 0)."""
     kernels = kernels or default_kernels()
     b = _ProgramBuilder()
     x = b.graph.placeholder("x")
     weight = b.graph.placeholder("weight")
     bias = b.graph.placeholder("bias")
     activation = b.graph.placeholder("activation", default_value="silu")
-    cu_seqlens = b.buffer("cu_seqlens", layout.seq_row_start)
+    cu_seqlens = b.buffer("cu_seqlens", bounds)
     context = None
-    rows = conv_context_rows(layout, width)
     if width > 1 and np.any(rows >= 0):
         flat_rows = rows.reshape(-1)
         present = np.flatnonzero(flat_rows >= 0)
-        gather = b.submodule("context_view", RowGather(layout.num_rows, [flat_rows[present]]))
+        gather = b.submodule("context_view", RowGather(num_rows, [flat_rows[present]]))
         flat = b.call(operator.getitem, (b.call_module(gather, (x,), name="context_views"), 0), name="context_rows")
         if present.size < flat_rows.size:  # windows reaching before position 0 read zeros there
             flat = b.call(_zero_padded, (flat, b.buffer("context_slots", present), int(flat_rows.size)), name="context_slots")
-        context = b.call(torch.reshape, (flat, (layout.num_sequences, width - 1, -1)), name="context")
+        context = b.call(torch.reshape, (flat, (rows.shape[0], width - 1, -1)), name="context")
     y = b.call(kernels.causal_conv1d, (x, weight, bias, cu_seqlens), {"context": context, "activation": activation}, name="y")
-    return b.finish(y, "CausalConvView")
+    return b.finish(y, class_name)
+
+
+def build_conv_program(layout: MicrobatchLayout, width: int, kernels=None) -> torch.fx.GraphModule:
+    """Depthwise causal convolution over each sequence's own rows with true-ancestor context."""
+    return _conv_program(layout.num_rows, layout.seq_row_start, conv_context_rows(layout, width), width, kernels,
+                         "CausalConvView")
+
+
+def build_packed_conv_program(layout: MicrobatchLayout, width: int, kernels=None) -> torch.fx.GraphModule:
+    """The convolution on :func:`linear_rows`' packed rows: each sequence's replay and own rows, preceded by the
+    true ancestors before its replay start. A replay row's output equals its own row's (same window)."""
+    packed = linear_rows(layout)
+    return _conv_program(int(packed["rows"].size), packed["sequence_bounds"], packed_conv_context_rows(layout, width),
+                         width, kernels, "PackedCausalConvView")
 
 
 def attention_kv_rows(layout: MicrobatchLayout) -> tuple[np.ndarray, np.ndarray]:
@@ -293,7 +395,7 @@ def build_log_prob_program(layout: MicrobatchLayout) -> torch.fx.GraphModule:
 
 
 def build_program(layout: MicrobatchLayout, kind: str, kernels=None, **options) -> torch.fx.GraphModule:
-    """The program of ``kind`` (one of :data:`PROGRAM_KINDS`) for a layout; ``conv`` takes ``width``."""
+    """The program of ``kind`` (one of :data:`PROGRAM_KINDS`) for a layout; ``conv`` and ``packed_conv`` take ``width``."""
     if kind == "linear_attention":
         return build_linear_attention_program(layout, kernels)
     if kind == "conv":
@@ -302,6 +404,10 @@ def build_program(layout: MicrobatchLayout, kind: str, kernels=None, **options) 
         return build_attention_program(layout, kernels)
     if kind == "log_probs":
         return build_log_prob_program(layout)
+    if kind == "packed_linear_attention":
+        return build_packed_linear_attention_program(layout, kernels)
+    if kind == "packed_conv":
+        return build_packed_conv_program(layout, options["width"], kernels)
     raise ValueError(f"unknown program kind {kind!r}; expected one of {', '.join(PROGRAM_KINDS)}")
 
 
@@ -323,12 +429,20 @@ def render_programs(layout: MicrobatchLayout, conv_width: int = 4) -> str:
         f"{layout.replay_tokens} replay rows, chunk size {layout.chunk_size}\n"
     )
     parts = [header]
-    for title, program in (
+    programs = [
         ("linear attention", build_linear_attention_program(layout)),
         (f"causal convolution (width {conv_width})", build_conv_program(layout, conv_width)),
         ("attention", build_attention_program(layout)),
         ("log-probs", build_log_prob_program(layout)),
-    ):
+    ]
+    packed = linear_rows(layout)
+    if packed["has_replay"]:
+        where = f"on the linear-attention layers' {packed['rows'].size} packed rows"
+        programs[:2] = [
+            (f"linear attention, {where}", build_packed_linear_attention_program(layout)),
+            (f"causal convolution (width {conv_width}), {where}", build_packed_conv_program(layout, conv_width)),
+        ]
+    for title, program in programs:
         parts.append(f"# --- {title}: {type(program).__name__}\n")
         described = _describe(program)
         if described:

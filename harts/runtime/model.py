@@ -4,7 +4,8 @@ Rows in, rows out: the model sees C hidden rows (compact rows of a plan, or the 
 positions of independent trajectories) and an :class:`~harts.runtime.view.ExecutionView`
 that tells the sequence operators how rows relate. Per block (pre-norm)::
 
-    x = x + mixer(input_layernorm(x), view)        # KDA / GDN / MHA / GQA / MLA
+    x = x + mixer(input_layernorm(x), view)        # KDA / GDN / MHA / GQA / MLA (KDA / GDN on the
+                                                   # view's linear-attention rows, harts.runtime.view.linear_rows)
     x = x + mlp(post_attention_layernorm(x))       # dense SwiGLU or MoE (weighted by view.row_weight)
 
 then ``hidden = norm(x)`` and ``logits = lm_head(hidden)``. ``routed_experts`` [C, L_moe, k]
@@ -41,7 +42,7 @@ from harts.runtime.layers import (
     compute_dtype,
 )
 from harts.runtime.moe import Experts, MoEStats, SparseMoeBlock, TopKRouter
-from harts.runtime.view import ExecutionView
+from harts.runtime.view import ExecutionView, linear_rows
 
 __all__ = ["DecoderLayer", "HybridModel"]
 
@@ -73,9 +74,16 @@ class DecoderLayer(nn.Module):
     def mixer(self) -> nn.Module:
         return self.linear_attn if self.layer_type == "linear" else self.self_attn
 
+    def _mix(self, h: torch.Tensor, view: ExecutionView) -> torch.Tensor:
+        """The token mixer on normed rows; a linear-attention mixer runs on the view's linear-attention rows."""
+        if self.layer_type != "linear":
+            return self.mixer(h, view)
+        rows = linear_rows(view)
+        return rows.unpack(self.mixer(rows.pack(h), rows.view))
+
     def forward(self, x: torch.Tensor, view: ExecutionView, routed_experts: torch.Tensor | None = None):
         """x [C, D], routed_experts [C, L_moe, k] or None -> (x [C, D], MoE statistics tuple or None)."""
-        x = x + self.mixer(self.input_layernorm(x), view)
+        x = x + self._mix(self.input_layernorm(x), view)
         normed = self.post_attention_layernorm(x)
         if self.mlp_type == "moe":
             routed = None if routed_experts is None else routed_experts[:, self.moe_index]

@@ -15,19 +15,27 @@ the three sequence operators run the torch.fx programs generated from the layout
 Gathers are :class:`~harts.kernels.rows.packed.RowGather` modules: when several sequences read
 one row, backward sums their gradients into it, and a row read once gets its gradient by a
 copy. ``row_weight`` is each row's multiplicity q.
+
+The linear-attention layers run on packed rows when the layout has replay (:meth:`TreeView.linear_rows`,
+:func:`harts.codegen.fx.linear_rows`): the layer's hidden rows are gathered into round order once, its
+projections, convolution and rounds run there (:class:`PackedRowsView`), and its output rows are taken
+back at each compact row's own position.
 """
 
 from __future__ import annotations
 
-
+import numpy as np
 import torch
 
+from harts.codegen.fx import linear_rows
 from harts.errors import ModelInputError
 from harts.ir.layout import MicrobatchLayout
-from harts.runtime.programs import RUNTIME_CACHE, LayoutCache
+from harts.kernels.rows.packed import RowGather, RowScatter
+from harts.runtime.programs import RUNTIME_CACHE, LayoutCache, on_device
+from harts.runtime.view import LinearRows, SameRows
 from harts.kernels.interface import Kernels
 
-__all__ = ["TreeView"]
+__all__ = ["PackedRowsView", "TreeView"]
 
 
 class TreeView:
@@ -61,6 +69,7 @@ class TreeView:
         self.positions = programs.tensor(layout, "row_position", lambda: layout.row_position, self.device, torch.long)
         self.row_weight = programs.tensor(layout, "row_multiplicity", lambda: layout.row_multiplicity, self.device,
                                           torch.get_default_dtype())
+        self._linear_rows: LinearRows | None = None
 
     def __repr__(self) -> str:
         layout = self.layout
@@ -76,6 +85,14 @@ class TreeView:
     def input_ids(self, tokens) -> torch.Tensor:
         """[C] token ids of the rows, from the batch's per-trajectory token arrays."""
         return torch.as_tensor(self.layout.input_ids(tokens), dtype=torch.long).to(self.device)
+
+    def linear_rows(self) -> LinearRows:
+        """Where the linear-attention layers run: the packed rows of :func:`harts.codegen.fx.linear_rows` when
+        a round replays rows, else these rows (nothing to pack)."""
+        if self._linear_rows is None:
+            packed = self.programs.get(self.layout, "linear_rows", lambda: linear_rows(self.layout))
+            self._linear_rows = PackedRowsView(self, packed) if packed["has_replay"] else SameRows(self)
+        return self._linear_rows
 
     def causal_conv(self, x, weight, bias, activation):
         self._check_rows(x, "causal_conv x")
@@ -93,3 +110,72 @@ class TreeView:
         if tensor.shape[0] != self.num_rows:
             raise ModelInputError(f"TreeView of microbatch {self.layout.microbatch}: {what} has {tensor.shape[0]} rows, expected {self.num_rows}")
 
+
+class PackedRowsView:
+    """A microbatch's linear-attention rows (:func:`harts.codegen.fx.linear_rows`) as an execution view and
+    the maps into and out of them (:class:`~harts.runtime.view.LinearRows`).
+
+    ``pack`` gathers compact rows into round order, replay rows repeated (backward sums each row's reads);
+    ``unpack`` takes each compact row from its own packed row (backward: zeros at the replay rows). The
+    convolution and linear attention run the packed programs; ``positions`` are the rows' own positions and
+    ``row_weight`` is a row's multiplicity at its own packed row and 0 at a replay row, so weighted sums over
+    packed rows count each semantic position once. Full attention is not among its operators.
+    """
+
+    def __init__(self, tree: TreeView, packed: dict[str, np.ndarray]):
+        layout, programs, device = tree.layout, tree.programs, tree.device
+        self.layout = layout
+        self.chunk_size = tree.chunk_size
+        self.device = device
+        self.kernels = tree.kernels
+        self.programs = programs
+        self.num_rows = int(packed["rows"].size)
+        rows, own = packed["rows"], packed["own"]
+
+        def maps() -> tuple[RowGather, RowScatter]:
+            pack = on_device(RowGather(layout.num_rows, [rows]), device)
+            unpack = on_device(RowScatter(layout.num_rows, [np.arange(layout.num_rows)], [own], [rows.size]), device)
+            return pack, unpack
+
+        self._pack, self._unpack = programs.get(layout, ("linear_rows_maps", str(device)), maps)
+        self.positions = programs.tensor(layout, "linear_rows_position", lambda: layout.row_position[rows], device,
+                                         torch.long)
+
+        def own_weight() -> np.ndarray:
+            weight = np.zeros(rows.size, dtype=np.float64)
+            weight[own] = layout.row_multiplicity
+            return weight
+
+        self.row_weight = programs.tensor(layout, "linear_rows_weight", own_weight, device, torch.get_default_dtype())
+
+    @property
+    def view(self) -> PackedRowsView:
+        return self
+
+    def __repr__(self) -> str:
+        return (f"PackedRowsView(microbatch={self.layout.microbatch}, rows={self.num_rows}, "
+                f"compact_rows={self.layout.num_rows}, rounds={self.layout.num_rounds})")
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """x [C, ...] -> [P, ...] in round order."""
+        return self._pack(x)[0]
+
+    def unpack(self, y: torch.Tensor) -> torch.Tensor:
+        """y [P, ...] -> [C, ...]: each compact row from its own packed row."""
+        return self._unpack(y)
+
+    def program(self, kind: str, **options) -> torch.fx.GraphModule:
+        return self.programs.program(self.layout, kind, self.device, self.kernels, **options)
+
+    def causal_conv(self, x, weight, bias, activation):
+        self._check_rows(x, "causal_conv x")
+        return self.program("packed_conv", width=int(weight.shape[-1]))(x, weight, bias, activation)
+
+    def linear_attention(self, q, k, v, log_decay, beta, *, scale):
+        self._check_rows(q, "linear_attention q")
+        return self.program("packed_linear_attention")(q, k, v, log_decay, beta, scale)
+
+    def _check_rows(self, tensor: torch.Tensor, what: str) -> None:
+        if tensor.shape[0] != self.num_rows:
+            raise ModelInputError(f"PackedRowsView of microbatch {self.layout.microbatch}: {what} has {tensor.shape[0]} "
+                                  f"rows, expected {self.num_rows}")

@@ -35,7 +35,7 @@ from harts.kernels import host
 from harts.kernels import dispatch as default_kernels
 from harts.kernels.interface import Kernels
 
-__all__ = ["BaselineView", "ExecutionView"]
+__all__ = ["BaselineView", "ExecutionView", "LinearRows", "SameRows", "linear_rows"]
 
 
 @runtime_checkable
@@ -69,6 +69,42 @@ class ExecutionView(Protocol):
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
         """q [C, Hq, Dk], k [C, Hkv, Dk], v [C, Hkv, Dv] -> [C, Hq, Dv]."""
         ...
+
+
+class LinearRows(Protocol):
+    """The rows a view's linear-attention layers run on: ``view`` over them, and the maps into and out of them.
+
+    ``pack(x [C, ...]) -> [P, ...]`` and ``unpack(y [P, ...]) -> [C, ...]`` with ``unpack(pack(x)) == x``;
+    a layer run as ``unpack(mixer(pack(h), view))`` gives what ``mixer(h, outer_view)`` gives.
+    """
+
+    view: ExecutionView
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def unpack(self, y: torch.Tensor) -> torch.Tensor: ...
+
+
+class SameRows:
+    """A view whose linear-attention layers run on its own rows: both maps are the identity."""
+
+    def __init__(self, view: ExecutionView):
+        self.view = view
+
+    @staticmethod
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def unpack(y: torch.Tensor) -> torch.Tensor:
+        return y
+
+
+def linear_rows(view: ExecutionView) -> LinearRows:
+    """The rows ``view``'s linear-attention layers run on: its ``linear_rows()`` where it has one (a
+    :class:`~harts.runtime.tree_view.TreeView` with replay packs them in round order), else its own rows."""
+    method = getattr(view, "linear_rows", None)
+    return SameRows(view) if method is None else method()
 
 
 class BaselineView:

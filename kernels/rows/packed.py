@@ -251,8 +251,11 @@ class _ScatterFunction(torch.autograd.Function):
         first = packed[0]
         y = first.new_empty((module.num_rows, *first.shape[1:]))
         for i, p in enumerate(packed):
-            values = module.index.take(p, f"positions{i}")
-            module.index.put(y, f"destinations{i}", values)
+            target = module.index.destination(y, f"destinations{i}")
+            if target is not None:  # a contiguous block of y: gathered straight into it
+                module.index.take_into(target, p, f"positions{i}")
+            else:
+                module.index.put(y, f"destinations{i}", module.index.take(p, f"positions{i}"))
         return y
 
     @staticmethod

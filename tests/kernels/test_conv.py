@@ -143,3 +143,27 @@ def test_fla_conv_calls_after_the_first_never_wait_for_the_device():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(first, again)
+
+
+def test_head_windows_backward_leaves_the_output_gradient_as_it_was():
+    """The backward zeroes the head rows of the output gradient in place for its packed call and puts them
+    back: the caller's gradient tensor is unchanged, and the input gradients equal those of the out-of-place
+    mask (taken under create_graph, where the gradient may be saved) bit for bit."""
+    lengths = [1, 2, 3, 4, 5, 63, 64, 65, 200]
+    channels, width = 96, 4
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    cu = torch.as_tensor(bounds, device=DEVICE)
+    generator = torch.Generator(device=DEVICE).manual_seed(21)
+    x = torch.randn(int(bounds[-1]), channels, generator=generator, device=DEVICE).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(channels, width, generator=generator, device=DEVICE) / width).to(torch.bfloat16).requires_grad_()
+    context = torch.randn(len(lengths), width - 1, channels, generator=generator, device=DEVICE)
+    context = context.to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(int(bounds[-1]), channels, generator=generator, device=DEVICE).to(torch.bfloat16)
+    before = dy.clone()
+    grads = []
+    for create_graph in (False, True):
+        y = fla_conv.causal_conv1d(x, weight, None, cu, context=context, activation="silu")
+        grads.append(torch.autograd.grad(y, (x, weight, context), grad_outputs=dy, create_graph=create_graph))
+        assert torch.equal(dy, before), create_graph
+    for name, in_place, copied in zip(("x", "weight", "context"), *grads):
+        assert torch.equal(in_place, copied), name
