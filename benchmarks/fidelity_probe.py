@@ -41,6 +41,7 @@ import harts  # noqa: E402
 from harts_bench.runtime import baseline_microbatches, select_trees  # noqa: E402
 from harts.kernels import dispatch  # noqa: E402
 from harts.runtime import BaselineView, HybridConfig, HybridModel, TreeView  # noqa: E402
+from harts.runtime.view import linear_rows  # noqa: E402
 from harts.rollouts.workloads import swe_like_step, trees_near_compression  # noqa: E402
 
 logger = logging.getLogger("fidelity_probe")
@@ -141,14 +142,19 @@ def layer_outputs(model: HybridModel, ids: torch.Tensor, view, parts: bool = Tru
     """Per block, in order: the mixer's output, the FFN's output and the block's output (3 per layer);
     with ``parts=False`` the block's output alone, repeated 3 times (one third of the memory)."""
     outputs: list[torch.Tensor] = []
+    linear = linear_rows(view)  # a linear-attention mixer's output rows are the view's linear-attention rows
 
     def keep(_module, _inputs, out):
         outputs.append((out[0] if isinstance(out, tuple) else out).detach())
 
+    def keep_linear(_module, _inputs, out):
+        outputs.append(linear.unpack(out.detach()))
+
     handles = []
     for layer in model.layers:
         if parts:
-            handles += [layer.mixer.register_forward_hook(keep), layer.mlp.register_forward_hook(keep)]
+            mixer_hook = keep_linear if layer.layer_type == "linear" else keep
+            handles += [layer.mixer.register_forward_hook(mixer_hook), layer.mlp.register_forward_hook(keep)]
         handles.append(layer.register_forward_hook(keep))
     try:
         model.forward_hidden(ids, view)
