@@ -187,6 +187,15 @@ def _parents_first(parent: np.ndarray) -> np.ndarray:
     return np.asarray(order, dtype=np.int64)
 
 
+class CompactLinearRowsView(TreeView):
+    """TreeView whose linear-attention layers run on the compact rows: every round packs its q, k, v, decay and
+    beta from them and scatters its outputs back (the data flow before :meth:`TreeView.linear_rows`), for an
+    A/B of the packed linear-attention rows on one plan in one process."""
+
+    def linear_rows(self) -> SameRows:
+        return SameRows(self)
+
+
 class NodeAtATimeView(TreeView):
     """A compiled microbatch's view whose linear attention runs one call per trie node.
 

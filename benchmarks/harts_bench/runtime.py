@@ -92,6 +92,7 @@ from harts.runtime.api import bind_plan
 from harts.runtime.tree_view import TreeView
 from harts.runtime.view import BaselineView
 from harts_bench.ablation import (
+    CompactLinearRowsView,
     NodeAtATimeView,
     NoReplayView,
     TrieNodes,
@@ -181,6 +182,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--train-step", action="store_true",
                         help="also time harts.train.Trainer.step (what `harts train` runs) in both modes on the same "
                              "model, plan and batch, and print the headline-train line")
+    parser.add_argument("--compact-linear-rows", action="store_true",
+                        help="also time the HARTS pass with the linear-attention layers on the compact rows (each round "
+                             "packing its own q, k, v and gate; harts_bench.ablation.CompactLinearRowsView): the A/B of "
+                             "the packed linear-attention rows in one process")
     parser.add_argument("--sync-debug", action="store_true",
                         help="after the timed passes, count one HARTS pass's host-device synchronisations by source line")
     return parser.parse_args(argv)
@@ -888,6 +893,15 @@ def _measure_passes(run: _Run):
         model, run.device, args.warmup, args.repeats)
     results["harts"] = harts_result
     results["gradient_cosine"] = gradient_agreement(baseline_grads, model)
+    if args.compact_linear_rows:
+        compact_rows, _ = measure(
+            "harts, linear attention on compact rows",
+            lambda collect: harts_pass(model, run.bound, run.batch, run.kernels, run.num_trajectories, False,
+                                       view_type=CompactLinearRowsView),
+            model, run.device, args.warmup, args.repeats)
+        results["harts_compact_linear_rows"] = compact_rows
+        say(f"packed linear-attention rows: {harts_result['mean_seconds']:.3f} s a pass, compact rows "
+            f"{compact_rows['mean_seconds']:.3f} s ({compact_rows['mean_seconds'] / harts_result['mean_seconds']:.3f}x)")
     del baseline_grads
     plan_seconds, bind_seconds = results["plan"]["seconds"], results["plan"]["bind_seconds"]
     # the passes run on the plan bound once: the binding is charged to the core figure with the plan

@@ -21,7 +21,7 @@ def test_bench_runtime_smoke_on_cpu(tmp_path):
     completed = subprocess.run(
         [sys.executable, "-m", "harts_bench.runtime", "--device", "cpu", "--preset", "tiny",
          "--layers", "2", "--tokens", "800", "--scale", "0.004", "--warmup", "1", "--repeats", "1",
-         "--kernels", "naive", "--train-step", "--out", str(out)],
+         "--kernels", "naive", "--train-step", "--compact-linear-rows", "--out", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
@@ -40,6 +40,8 @@ def test_bench_runtime_smoke_on_cpu(tmp_path):
     # without fla the stock baseline runs the same reference kernels as the own baseline
     assert results["fla"] is False
     assert results["baseline_fla"]["loss"] == pytest.approx(results["baseline"]["loss"], rel=1e-6)
+    # the linear-attention layers on the compact rows (the A/B of the packed rows) compute the same pass
+    assert results["harts_compact_linear_rows"]["loss"] == pytest.approx(results["harts"]["loss"], rel=1e-6)
     # the training step `harts train` runs computes the same objective as the benchmark's pass, in both modes
     train = results["train_step"]
     for mode in ("harts", "baseline"):
