@@ -38,7 +38,32 @@ from harts.kernels.interface import Kernels
 __all__ = ["PackedRowsView", "TreeView"]
 
 
-class TreeView:
+class _LayoutPrograms:
+    """The sequence operators of a view that runs its layout's generated programs (``programs`` cache,
+    ``layout``, ``device``, ``kernels``, ``num_rows``); subclasses name the program kinds they run."""
+
+    conv_kind = "conv"
+    linear_attention_kind = "linear_attention"
+
+    def program(self, kind: str, **options) -> torch.fx.GraphModule:
+        """The generated program of one operator kind (see :func:`harts.codegen.fx.build_program`)."""
+        return self.programs.program(self.layout, kind, self.device, self.kernels, **options)
+
+    def causal_conv(self, x, weight, bias, activation):
+        self._check_rows(x, "causal_conv x")
+        return self.program(self.conv_kind, width=int(weight.shape[-1]))(x, weight, bias, activation)
+
+    def linear_attention(self, q, k, v, log_decay, beta, *, scale):
+        self._check_rows(q, "linear_attention q")
+        return self.program(self.linear_attention_kind)(q, k, v, log_decay, beta, scale)
+
+    def _check_rows(self, tensor: torch.Tensor, what: str) -> None:
+        if tensor.shape[0] != self.num_rows:
+            raise ModelInputError(f"{type(self).__name__} of microbatch {self.layout.microbatch}: {what} has "
+                                  f"{tensor.shape[0]} rows, expected {self.num_rows}")
+
+
+class TreeView(_LayoutPrograms):
     """Execution view over one microbatch's compact layout.
 
     Args:
@@ -78,10 +103,6 @@ class TreeView:
             f"rounds={layout.num_rounds}, chunk_size={self.chunk_size})"
         )
 
-    def program(self, kind: str, **options) -> torch.fx.GraphModule:
-        """The generated program of one operator kind (see :func:`harts.codegen.fx.build_program`)."""
-        return self.programs.program(self.layout, kind, self.device, self.kernels, **options)
-
     def input_ids(self, tokens) -> torch.Tensor:
         """[C] token ids of the rows, from the batch's per-trajectory token arrays."""
         return torch.as_tensor(self.layout.input_ids(tokens), dtype=torch.long).to(self.device)
@@ -94,24 +115,12 @@ class TreeView:
             self._linear_rows = PackedRowsView(self, packed) if packed["has_replay"] else SameRows(self)
         return self._linear_rows
 
-    def causal_conv(self, x, weight, bias, activation):
-        self._check_rows(x, "causal_conv x")
-        return self.program("conv", width=int(weight.shape[-1]))(x, weight, bias, activation)
-
-    def linear_attention(self, q, k, v, log_decay, beta, *, scale):
-        self._check_rows(q, "linear_attention q")
-        return self.program("linear_attention")(q, k, v, log_decay, beta, scale)
-
     def attention(self, q, k, v, *, scale):
         self._check_rows(q, "attention q")
         return self.program("attention")(q, k, v, scale)
 
-    def _check_rows(self, tensor: torch.Tensor, what: str) -> None:
-        if tensor.shape[0] != self.num_rows:
-            raise ModelInputError(f"TreeView of microbatch {self.layout.microbatch}: {what} has {tensor.shape[0]} rows, expected {self.num_rows}")
 
-
-class PackedRowsView:
+class PackedRowsView(_LayoutPrograms):
     """A microbatch's linear-attention rows (:func:`harts.codegen.fx.linear_rows`) as an execution view and
     the maps into and out of them (:class:`~harts.runtime.view.LinearRows`).
 
@@ -121,6 +130,9 @@ class PackedRowsView:
     ``row_weight`` is a row's multiplicity at its own packed row and 0 at a replay row, so weighted sums over
     packed rows count each semantic position once. Full attention is not among its operators.
     """
+
+    conv_kind = "packed_conv"
+    linear_attention_kind = "packed_linear_attention"
 
     def __init__(self, tree: TreeView, packed: dict[str, np.ndarray]):
         layout, programs, device = tree.layout, tree.programs, tree.device
@@ -163,19 +175,3 @@ class PackedRowsView:
     def unpack(self, y: torch.Tensor) -> torch.Tensor:
         """y [P, ...] -> [C, ...]: each compact row from its own packed row."""
         return self._unpack(y)
-
-    def program(self, kind: str, **options) -> torch.fx.GraphModule:
-        return self.programs.program(self.layout, kind, self.device, self.kernels, **options)
-
-    def causal_conv(self, x, weight, bias, activation):
-        self._check_rows(x, "causal_conv x")
-        return self.program("packed_conv", width=int(weight.shape[-1]))(x, weight, bias, activation)
-
-    def linear_attention(self, q, k, v, log_decay, beta, *, scale):
-        self._check_rows(q, "linear_attention q")
-        return self.program("packed_linear_attention")(q, k, v, log_decay, beta, scale)
-
-    def _check_rows(self, tensor: torch.Tensor, what: str) -> None:
-        if tensor.shape[0] != self.num_rows:
-            raise ModelInputError(f"PackedRowsView of microbatch {self.layout.microbatch}: {what} has {tensor.shape[0]} "
-                                  f"rows, expected {self.num_rows}")
