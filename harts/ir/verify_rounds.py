@@ -36,12 +36,13 @@ def _verify_segments(module: Module, microbatch: Microbatch) -> None:
         fail(f"{where}: phase {module.phase} needs a non-empty segment forest")
     _check_microbatch_members(module, microbatch)
     used = set(trie.used_nodes(microbatch.trajectories))
+    # members in ascending order: the first to reach a node is the smallest through it, and through all of the
+    # node's ancestors as well, so a later member's walk ends there
     smallest_through: dict[int, int] = {}
-    for trajectory in microbatch.trajectories:
+    for trajectory in sorted(microbatch.trajectories):
         node = trie.leaf[trajectory]
-        while node >= 0:
-            if trajectory < smallest_through.get(node, trajectory + 1):
-                smallest_through[node] = trajectory
+        while node >= 0 and node not in smallest_through:
+            smallest_through[node] = trajectory
             node = nodes[node].parent
     used_child_count = {node: 0 for node in used}
     for node in used:
