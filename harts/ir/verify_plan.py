@@ -9,6 +9,10 @@ microbatches), and microbatches are listed by (slot, replica).
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
+
 from harts.ir.nodes import Module
 from harts.ir.prefix_index import PrefixIndex
 from harts.ir.verify_common import fail
@@ -20,6 +24,42 @@ def verify_partitioned(module: Module) -> None:
         fail(f"phase {module.phase} needs microbatches")
     if module.trie is None:
         fail(f"phase {module.phase} needs a compact trie")
+    if not _partition_holds(module):
+        _verify_partition_member_by_member(module)
+    if len(microbatches) % module.dp_size:
+        fail(f"{len(microbatches)} microbatches is not a multiple of dp_size {module.dp_size}")
+
+
+def _partition_holds(module: Module) -> bool:
+    """Whether every invariant that :func:`_verify_partition_member_by_member` checks holds, checked over all
+    microbatches at once (numpy expressions instead of a Python step per member); that function then finds and
+    names the first fault."""
+    microbatches, count = module.microbatches, len(module.trajectories)
+    if any(mb.index != position or not mb.trajectories for position, mb in enumerate(microbatches)):
+        return False
+    groups = [mb.trajectories for mb in microbatches]
+    # plain ints only, as the IR holds them: anything else is for the member-by-member check to judge
+    if not all(type(mb.work) is int for mb in microbatches) or not all(type(t) is int for t in itertools.chain.from_iterable(groups)):
+        return False
+    sizes = np.fromiter((len(group) for group in groups), dtype=np.int64, count=len(groups))
+    try:
+        members = np.fromiter(itertools.chain.from_iterable(groups), dtype=np.int64, count=int(sizes.sum()))
+    except OverflowError:
+        return False
+    if members.size != count or (members < 0).any() or (members >= count).any():
+        return False
+    first = np.zeros(members.size, dtype=bool)
+    first[np.cumsum(sizes)[:-1]] = True
+    if ((members[1:] <= members[:-1]) & ~first[1:]).any() or (np.bincount(members, minlength=count) != 1).any():
+        return False
+    works = np.array([mb.work for mb in microbatches], dtype=np.int64)
+    return bool((works == PrefixIndex.from_module(module).subsets_work(groups)).all() and (works <= module.capacity).all())
+
+
+def _verify_partition_member_by_member(module: Module) -> None:
+    """Exact coverage, ascending members, indices 0..K-1 and each microbatch's work and capacity, member by
+    member: the first fault, named."""
+    microbatches = module.microbatches
     count = len(module.trajectories)
     owner: dict[int, int] = {}
     for position, mb in enumerate(microbatches):
@@ -47,8 +87,6 @@ def verify_partitioned(module: Module) -> None:
             fail(f"microbatch {mb.index}: work is {mb.work} but its trajectories hold {work} compact tokens")
         if work > module.capacity:
             fail(f"microbatch {mb.index}: work {work} exceeds the capacity {module.capacity}")
-    if len(microbatches) % module.dp_size:
-        fail(f"{len(microbatches)} microbatches is not a multiple of dp_size {module.dp_size}")
 
 
 def verify_scheduled(module: Module) -> None:

@@ -90,6 +90,16 @@ def test_subset_work_is_eq5(trajectories, rng):
     assert index.subset_work(members) == len(distinct_prefixes([trajectories[i] for i in members]))
 
 
+
+@given(token_trees(max_trajectories=10), st.lists(st.lists(st.integers(0, 9), max_size=12), max_size=6))
+def test_subsets_work_is_eq5_of_each_set(trajectories, groups):
+    """Many sets at once (duplicates and empty sets too) give each set's own C(M): the count of its distinct prefixes."""
+    trie = compress(trajectories).trie
+    index = PrefixIndex.from_trie(trie, [len(t) for t in trajectories])
+    groups = [[i % len(trajectories) for i in group] for group in groups]
+    expected = [len(distinct_prefixes([trajectories[i] for i in set(group)])) for group in groups]
+    assert index.subsets_work(groups).tolist() == expected == [index.subset_work(group) for group in groups]
+
 def test_split_cost_is_the_boundary_lcp():
     trajectories = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [7]]
     trie = build_compact_trie(RolloutBatch.from_trajectories(trajectories).tokens)
