@@ -111,7 +111,7 @@ class PrefixIndex:
             return np.zeros(0, dtype=np.int64)
         level = np.frexp((hi - lo + 1).astype(np.float64))[1] - 1  # floor(log2) of exact small integers
         out = np.empty(lo.size, dtype=np.int64)
-        for k in np.unique(level).tolist():
+        for k in range(int(level.max()) + 1):
             at = np.flatnonzero(level == k)
             table = self._sparse[k]
             out[at] = np.minimum(table[lo[at]], table[hi[at] - (1 << k) + 1])

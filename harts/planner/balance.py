@@ -60,7 +60,7 @@ import numpy as np
 
 from harts.planner.exchange import Layout, around, nearest_runs, sharing_receivers, subtree_runs
 from harts.planner.budget import WorkBudget, unlimited
-from harts.planner.ranks import RankSpace
+from harts.planner.ranks import RankSpace, sorted_unique
 from harts.planner.schedule import slot_rule_objective, slot_sums_after
 
 logger = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ def _pool(space: RankSpace, capacity: int, labels: np.ndarray, works: np.ndarray
     unit_tree = tree_of_rank[layout.order[unit_first]]
     unit_size = (layout.length_prefix[unit_last + 1] - layout.length_prefix[unit_first]
                  - (layout.adjacent_prefix[unit_last] - layout.adjacent_prefix[unit_first])) - floor
-    held = np.unique(unit_group * trees + unit_tree)
+    held = sorted_unique(unit_group * trees + unit_tree)
     descending = np.lexsort((_first_ranks(labels, count), -works))  # the slot rule's order
     position = np.empty(count, dtype=np.int64)
     position[descending] = np.arange(count)

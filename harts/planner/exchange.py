@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 
 from harts.planner.budget import WorkBudget, unlimited
-from harts.planner.ranks import RankSpace
+from harts.planner.ranks import RankSpace, sorted_unique
 
 
 class Layout:
@@ -240,7 +240,7 @@ def sharing_receivers(space: RankSpace, labels: np.ndarray, layout: Layout, firs
     receiver = np.concatenate(pieces_label)
     keep = receiver != group[owner]
     count = int(labels.max()) + 1
-    pair = np.unique(owner[keep] * count + receiver[keep])
+    pair = sorted_unique(owner[keep] * count + receiver[keep])
     return pair // count, pair % count
 
 
