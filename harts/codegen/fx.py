@@ -201,7 +201,11 @@ def linear_rows(layout: MicrobatchLayout) -> dict[str, np.ndarray]:
     ``sequence_bounds`` [Q + 1] (packed offsets), ``own`` [C] (the packed row where each compact row is
     one of its sequence's own rows) and ``has_replay`` (whether P > C; if not, ``rows`` is ``0 .. C - 1``).
     """
-    schedules = [round_schedule(layout, r) for r in range(layout.num_rounds)]
+    return _packed_rows(layout, [round_schedule(layout, r) for r in range(layout.num_rounds)])
+
+
+def _packed_rows(layout: MicrobatchLayout, schedules: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+    """:func:`linear_rows` from the layout's round schedules."""
     sizes = [schedule["rows"].size for schedule in schedules]
     round_bounds = np.zeros(len(sizes) + 1, dtype=np.int64)
     np.cumsum(sizes, out=round_bounds[1:])
@@ -229,7 +233,7 @@ def build_packed_linear_attention_program(layout: MicrobatchLayout, kernels=None
     inputs = {name: b.graph.placeholder(name) for name in _LINEAR_INPUTS}
     scale = b.graph.placeholder("scale")
     schedules = [round_schedule(layout, r) for r in range(layout.num_rounds)]
-    bounds = linear_rows(layout)["round_bounds"]
+    bounds = _packed_rows(layout, schedules)["round_bounds"]
 
     def round_inputs(r: int) -> dict[str, torch.fx.Node]:
         start, length = int(bounds[r]), int(bounds[r + 1] - bounds[r])
@@ -245,30 +249,29 @@ def _zero_padded(values: torch.Tensor, slots: torch.Tensor, total: int) -> torch
     return values.new_zeros((total, *values.shape[1:])).index_copy(0, slots, values)
 
 
-def conv_context_rows(layout: MicrobatchLayout, width: int) -> np.ndarray:
-    """[Q, width-1] rows of each sequence's last ``width - 1`` true-ancestor positions (-1 before position 0)."""
+def conv_context_rows(layout: MicrobatchLayout, width: int, before_replay: bool = False) -> np.ndarray:
+    """[Q, width-1] rows of each sequence's last ``width - 1`` true-ancestor positions (-1 before position 0);
+    with ``before_replay``, the last ones before its replay start (what precedes its packed rows)."""
     context = np.full((layout.num_sequences, max(width - 1, 0)), -1, dtype=np.int64)
     if width <= 1:
         return context
     for sequence in range(layout.num_sequences):
-        ancestors = layout.ancestor_rows_of(sequence)[-(width - 1) :]
+        ancestors = layout.ancestor_rows_of(sequence)
+        if before_replay:
+            ancestors = ancestors[: int(layout.seq_replay_start[sequence])]
+        ancestors = ancestors[-(width - 1) :]
         if ancestors.size:
             context[sequence, width - 1 - ancestors.size :] = ancestors
     return context
 
 
-def packed_conv_context_rows(layout: MicrobatchLayout, width: int) -> np.ndarray:
+def packed_conv_context_rows(layout: MicrobatchLayout, width: int, own: np.ndarray) -> np.ndarray:
     """[Q, width-1] packed rows (:func:`linear_rows`) of the ``width - 1`` true-ancestor positions before each
-    sequence's packed rows (its replay start), each at the packed row that computes it as its own (-1 before
-    position 0)."""
-    context = np.full((layout.num_sequences, max(width - 1, 0)), -1, dtype=np.int64)
-    if width <= 1:
-        return context
-    own = linear_rows(layout)["own"]
-    for sequence in range(layout.num_sequences):
-        before = layout.ancestor_rows_of(sequence)[: int(layout.seq_replay_start[sequence])][-(width - 1) :]
-        if before.size:
-            context[sequence, width - 1 - before.size :] = own[before]
+    sequence's packed rows (its replay start), each at ``own[row]``, the packed row that computes it as its own
+    (-1 before position 0)."""
+    context = conv_context_rows(layout, width, before_replay=True)
+    present = context >= 0
+    context[present] = own[context[present]]
     return context
 
 
@@ -306,8 +309,8 @@ def build_packed_conv_program(layout: MicrobatchLayout, width: int, kernels=None
     """The convolution on :func:`linear_rows`' packed rows: each sequence's replay and own rows, preceded by the
     true ancestors before its replay start. A replay row's output equals its own row's (same window)."""
     packed = linear_rows(layout)
-    return _conv_program(int(packed["rows"].size), packed["sequence_bounds"], packed_conv_context_rows(layout, width),
-                         width, kernels, "PackedCausalConvView")
+    return _conv_program(int(packed["rows"].size), packed["sequence_bounds"],
+                         packed_conv_context_rows(layout, width, packed["own"]), width, kernels, "PackedCausalConvView")
 
 
 def attention_kv_rows(layout: MicrobatchLayout) -> tuple[np.ndarray, np.ndarray]:
