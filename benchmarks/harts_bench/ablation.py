@@ -196,14 +196,14 @@ class CompactLinearRowsView(TreeView):
         return SameRows(self)
 
 
-class NodeAtATimeView(TreeView):
+class NodeAtATimeView(CompactLinearRowsView):
     """A compiled microbatch's view whose linear attention runs one call per trie node.
 
     Everything but linear attention is :class:`TreeView`'s (same generated programs, same
-    rows). Linear attention: for every node of :class:`TrieNodes`, parents first, one
-    chunkwise call over the node's own rows, starting from the parent call's final state
-    (zero state at a root). Gradients flow through the chained states. Constructor as
-    :class:`TreeView`.
+    rows; the linear-attention layers on the compact rows, as a node replays nothing). Linear
+    attention: for every node of :class:`TrieNodes`, parents first, one chunkwise call over the
+    node's own rows, starting from the parent call's final state (zero state at a root).
+    Gradients flow through the chained states. Constructor as :class:`TreeView`.
     """
 
     def __init__(self, layout: MicrobatchLayout, device=None, *, kernels=None):
@@ -224,10 +224,6 @@ class NodeAtATimeView(TreeView):
     def linear_attention_calls(self) -> int:
         """Chunkwise calls per linear-attention layer: one per node."""
         return self.nodes.num_nodes
-
-    def linear_rows(self) -> SameRows:
-        """The node calls read the compact rows (a node replays nothing), not TreeView's round-packed ones."""
-        return SameRows(self)
 
     def linear_attention(self, q, k, v, log_decay, beta, *, scale):
         self._check_rows(q, "linear_attention q")
