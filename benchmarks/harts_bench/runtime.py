@@ -848,7 +848,7 @@ def _plan_figures(run: _Run, plan_seconds: float, first_plan_seconds: float, bin
         f"longest trajectory {longest_chunks})")
     return {
         "plan": {"seconds": plan_seconds, "first_compile_seconds": first_plan_seconds, "bind_seconds": bind_seconds,
-                 "microbatches": len(layouts), "compact_rows": compact_rows,
+                 "pipeline": plan.pipeline, "microbatches": len(layouts), "compact_rows": compact_rows,
                  "replay_tokens": stats.get("replay_tokens"), "rounds_per_microbatch": rounds,
                  "sequences_per_microbatch": sequences, "trie_nodes_per_microbatch": nodes,
                  "round_chunk_steps_per_microbatch": round_steps,
