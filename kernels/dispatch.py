@@ -40,6 +40,8 @@ __all__ = [
     "MODES",
     "Dispatch",
     "attention",
+    "attention_backward",
+    "attention_forward",
     "attention_values",
     "causal_conv1d",
     "chunk_linear_attention",
@@ -128,6 +130,27 @@ class Dispatch:
             return varlen.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal)
         return naive.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal)
 
+    def attention_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal=True):
+        """See :func:`harts.kernels.attention.naive.attention_forward` (FlashAttention where
+        :func:`~harts.kernels.attention.varlen.flash_parts_available`)."""
+        return self._attention_parts(q, k, v).attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale,
+                                                                 causal=causal)
+
+    def attention_backward(self, d_o, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, state, *, scale, causal=True):
+        """See :func:`harts.kernels.attention.naive.attention_backward`; the same path as :meth:`attention_forward`."""
+        return self._attention_parts(q, k, v).attention_backward(d_o, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
+                                                                  state, scale=scale, causal=causal)
+
+    def _attention_parts(self, q, k, v):
+        if self.uses_fast_attention(q):
+            from .attention import varlen
+
+            if varlen.flash_parts_available(q, k, v):
+                return varlen
+        from .attention import naive as attention_naive
+
+        return attention_naive
+
     def attention_values(self, q, k, v):
         """``v`` zero-padded to the head dim :meth:`attention` computes with (unchanged where it pads nothing).
 
@@ -159,4 +182,6 @@ recurrent_linear_attention = default.recurrent_linear_attention
 causal_conv1d = default.causal_conv1d
 attention = default.attention
 attention_values = default.attention_values
+attention_forward = default.attention_forward
+attention_backward = default.attention_backward
 moe_experts = default.moe_experts

@@ -5,9 +5,9 @@ run everything on the references: CPU, float64-capable, differentiable through a
 Every fast path is held to these in the tests, forward and backward.
 """
 
-from .attention.naive import attention
+from .attention.naive import attention, attention_backward, attention_forward
 from .conv.naive import causal_conv1d
 from .linear_attention.naive import chunk_linear_attention, recurrent_linear_attention
 from .moe.naive import moe_experts
 
-__all__ = ["attention", "causal_conv1d", "chunk_linear_attention", "moe_experts", "recurrent_linear_attention"]
+__all__ = ["attention", "attention_backward", "attention_forward", "causal_conv1d", "chunk_linear_attention", "moe_experts", "recurrent_linear_attention"]

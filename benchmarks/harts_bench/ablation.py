@@ -38,6 +38,7 @@ from harts.runtime.tree_view import TreeView
 from harts.runtime.view import BaselineView, SameRows
 
 __all__ = [
+    "CascadeAttentionView",
     "NoReplayView",
     "NodeAtATimeView",
     "TrieNodes",
@@ -194,6 +195,14 @@ class CompactLinearRowsView(TreeView):
 
     def linear_rows(self) -> SameRows:
         return SameRows(self)
+
+
+class CascadeAttentionView(TreeView):
+    """TreeView whose full-attention layers run split at the forks (``cascade_attention``: own rows in place,
+    each ancestor run once per fork, merged by log-sum-exp) instead of one gathered key/value view per
+    sequence, for an A/B of the two on one plan in one process."""
+
+    attention_program = "cascade_attention"
 
 
 class NodeAtATimeView(CompactLinearRowsView):

@@ -92,6 +92,7 @@ from harts.runtime.api import bind_plan
 from harts.runtime.tree_view import TreeView
 from harts.runtime.view import BaselineView
 from harts_bench.ablation import (
+    CascadeAttentionView,
     CompactLinearRowsView,
     NodeAtATimeView,
     NoReplayView,
@@ -186,6 +187,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="also time the HARTS pass with the linear-attention layers on the compact rows (each round "
                              "packing its own q, k, v and gate; harts_bench.ablation.CompactLinearRowsView): the A/B of "
                              "the packed linear-attention rows in one process")
+    parser.add_argument("--cascade-attention", action="store_true",
+                        help="also time the HARTS pass with the full-attention layers split at the forks (own rows "
+                             "in place, each shared ancestor run once per fork, merged by log-sum-exp; "
+                             "harts_bench.ablation.CascadeAttentionView) against the gathered key/value views")
     parser.add_argument("--sync-debug", action="store_true",
                         help="after the timed passes, count one HARTS pass's host-device synchronisations by source line")
     return parser.parse_args(argv)
@@ -902,6 +907,15 @@ def _measure_passes(run: _Run):
         results["harts_compact_linear_rows"] = compact_rows
         say(f"packed linear-attention rows: {harts_result['mean_seconds']:.3f} s a pass, compact rows "
             f"{compact_rows['mean_seconds']:.3f} s ({compact_rows['mean_seconds'] / harts_result['mean_seconds']:.3f}x)")
+    if args.cascade_attention:
+        cascade, _ = measure(
+            "harts, attention split at the forks",
+            lambda collect: harts_pass(model, run.bound, run.batch, run.kernels, run.num_trajectories, False,
+                                       view_type=CascadeAttentionView),
+            model, run.device, args.warmup, args.repeats)
+        results["harts_cascade_attention"] = cascade
+        say(f"attention split at the forks: {cascade['mean_seconds']:.3f} s a pass against "
+            f"{harts_result['mean_seconds']:.3f} s with gathered views ({cascade['mean_seconds'] / harts_result['mean_seconds']:.3f}x)")
     del baseline_grads
     plan_seconds, bind_seconds = results["plan"]["seconds"], results["plan"]["bind_seconds"]
     # the passes run on the plan bound once: the binding is charged to the core figure with the plan

@@ -18,7 +18,9 @@ calls them), and their code prints with the ``codegen`` stage of an IR dump
   replay and own rows, rounds back to back), which such a layer gathers its hidden rows into
   once: the rounds are slices, and the convolution's sequences are the packed ones.
 * attention ``(q, k, v, scale) -> o``: compact queries per sequence (already contiguous in
-  the layout) against a gathered ancestor + own key/value view, bottom-right causal.
+  the layout) against a gathered ancestor + own key/value view, bottom-right causal; or, as
+  ``cascade_attention``, split at the forks (:mod:`harts.kernels.attention.cascade`): each
+  sequence's own rows in place, each shared ancestor run once per fork, merged by log-sum-exp.
 * log-probs ``(hidden, input_ids, weight, bias) -> (log_probs, entropy)``: one vocabulary
   pass per compact row, then one target lookup per semantic position (Eq. 17-19).
 
@@ -36,11 +38,13 @@ import torch.fx
 
 from harts.ir.layout import MicrobatchLayout
 from harts.kernels import dispatch, host
+from harts.kernels.attention.cascade import CascadeAttention
 from harts.kernels.rows.packed import RowGather, RowScatter, contiguous_span
 from harts.numerics import compact_log_probs
 
 #: The kinds of program a layout lowers to (one per sequence operator, plus log-probs).
-PROGRAM_KINDS = ("linear_attention", "conv", "attention", "log_probs", "packed_linear_attention", "packed_conv")
+PROGRAM_KINDS = ("linear_attention", "conv", "attention", "log_probs", "packed_linear_attention", "packed_conv",
+                 "cascade_attention")
 
 
 def default_kernels():
@@ -353,6 +357,30 @@ def build_attention_program(layout: MicrobatchLayout, kernels=None) -> torch.fx.
     return b.finish(o, "AttentionView")
 
 
+def build_cascade_attention_program(layout: MicrobatchLayout, kernels=None) -> torch.fx.GraphModule:
+    """The same attention as :func:`build_attention_program`, split at the forks: own rows causal on the compact
+    q, k, v, the ancestor runs non-causal, merged by log-sum-exp (:class:`CascadeAttention`). A layout whose
+    sequences read only their own rows, or a kernel set without ``attention_forward``, gets the plain program."""
+    kernels = kernels or default_kernels()
+    rows, _ = attention_kv_rows(layout)
+    if contiguous_span(rows) == (0, layout.num_rows) or not hasattr(kernels, "attention_forward"):
+        return build_attention_program(layout, kernels)
+    b = _ProgramBuilder()
+    q = b.graph.placeholder("q")
+    k = b.graph.placeholder("k")
+    v = b.graph.placeholder("v")
+    scale = b.graph.placeholder("scale")
+    values = v
+    if hasattr(kernels, "attention_values"):
+        values = b.call(kernels.attention_values, (q, k, v), name="kernel_values")
+    cascade = b.submodule("cascade", CascadeAttention(layout.num_rows, layout.seq_row_start, layout.ancestor_rows,
+                                                      layout.ancestor_offsets, kernels))
+    o = b.call_module(cascade, (q, k, values, scale), name="o")
+    if values is not v:
+        o = b.call(_value_columns, (o, v), name="o_values")
+    return b.finish(o, "CascadeAttentionView")
+
+
 def _value_columns(o: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The first ``v.shape[-1]`` columns of an attention output computed with zero-padded values."""
     return o if o.shape[-1] == v.shape[-1] else o[..., : v.shape[-1]]
@@ -405,6 +433,8 @@ def build_program(layout: MicrobatchLayout, kind: str, kernels=None, **options) 
         return build_conv_program(layout, options["width"], kernels)
     if kind == "attention":
         return build_attention_program(layout, kernels)
+    if kind == "cascade_attention":
+        return build_cascade_attention_program(layout, kernels)
     if kind == "log_probs":
         return build_log_prob_program(layout)
     if kind == "packed_linear_attention":
@@ -416,7 +446,7 @@ def build_program(layout: MicrobatchLayout, kind: str, kernels=None, **options) 
 
 def _describe(program: torch.fx.GraphModule) -> str:
     lines = [f"#   {name}: {module.extra_repr()}" for name, module in program.named_children()
-             if isinstance(module, (RowGather, RowScatter))]
+             if isinstance(module, (RowGather, RowScatter, CascadeAttention))]
     for name, tensor in program.named_buffers(recurse=False):
         preview = tensor.tolist()[:12]
         more = ", ..." if tensor.numel() > 12 else ""
@@ -438,6 +468,9 @@ def render_programs(layout: MicrobatchLayout, conv_width: int = 4) -> str:
         ("attention", build_attention_program(layout)),
         ("log-probs", build_log_prob_program(layout)),
     ]
+    cascade = build_cascade_attention_program(layout)
+    if any(isinstance(module, CascadeAttention) for module in cascade.children()):
+        programs.insert(3, ("attention split at the forks (cascade_attention)", cascade))
     packed = linear_rows(layout)
     if packed["has_replay"]:
         where = f"on the linear-attention layers' {packed['rows'].size} packed rows"

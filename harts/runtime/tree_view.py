@@ -115,9 +115,13 @@ class TreeView(_LayoutPrograms):
             self._linear_rows = PackedRowsView(self, packed) if packed["has_replay"] else SameRows(self)
         return self._linear_rows
 
+    #: the program the full-attention layers run: ``"attention"`` (one gathered key/value view per sequence)
+    #: or ``"cascade_attention"`` (split at the forks, :mod:`harts.kernels.attention.cascade`); the same result
+    attention_program = "attention"
+
     def attention(self, q, k, v, *, scale):
         self._check_rows(q, "attention q")
-        return self.program("attention")(q, k, v, scale)
+        return self.program(self.attention_program)(q, k, v, scale)
 
 
 class PackedRowsView(_LayoutPrograms):

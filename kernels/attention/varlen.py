@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from .._checks import sequence_bounds
 
-__all__ = ["attention", "flash_head_dim", "flash_values", "flash_varlen_available"]
+__all__ = ["attention", "attention_backward", "attention_forward", "flash_head_dim", "flash_parts_available", "flash_values",
+           "flash_varlen_available"]
 
 _FLASH_DTYPES = (torch.bfloat16, torch.float16)
 _MAX_FLASH_HEAD_DIM = 256
@@ -154,3 +155,72 @@ def attention(
     if flash_varlen_available(q, k, v):
         return _flash(q, k, v, q_bounds, k_bounds, cu_seqlens_q, cu_seqlens_k, scale, causal)
     return _per_sequence(q, k, v, q_bounds, k_bounds, scale, causal).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------- parts with their log-sum-exp
+
+
+def flash_parts_available(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether :func:`attention_forward` / :func:`attention_backward` run FlashAttention on these inputs: the
+    varlen path's conditions, and one head dim for q, k and v that FlashAttention takes as it is."""
+    width = q.shape[-1]
+    return flash_varlen_available(q, k, v) and v.shape[-1] == width and width % 8 == 0
+
+
+def _rows_lse(lse: torch.Tensor, q_bounds: np.ndarray, heads: int) -> torch.Tensor:
+    """The kernel's log-sum-exp as [Hq, Tq] (FlashAttention-2's varlen layout since 2.4; the older
+    [B, Hq, max_q] padded layout is read row by row)."""
+    total = int(q_bounds[-1])
+    if lse.shape == (heads, total):
+        return lse
+    if lse.dim() == 3 and lse.shape[:2] == (len(q_bounds) - 1, heads):
+        sequence, position = _padded_index(q_bounds, lse.device)
+        return lse[sequence, :, position].T.contiguous()
+    raise RuntimeError(f"unexpected FlashAttention log-sum-exp shape {tuple(lse.shape)} for {heads} heads, {total} rows")
+
+
+def _kernel_lse(lse: torch.Tensor, q_bounds: np.ndarray, shape: torch.Size) -> torch.Tensor:
+    """[Hq, Tq] back into the layout (``shape``) the kernel returned."""
+    if lse.shape == shape:
+        return lse.contiguous()
+    sequence, position = _padded_index(q_bounds, lse.device)
+    out = lse.new_zeros(shape)
+    out[sequence, :, position] = lse.T
+    return out
+
+
+def _padded_index(q_bounds: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = np.diff(q_bounds)
+    sequence = np.repeat(np.arange(lengths.size), lengths)
+    position = np.arange(int(q_bounds[-1])) - np.repeat(q_bounds[:-1], lengths)
+    return torch.as_tensor(sequence, device=device), torch.as_tensor(position, device=device)
+
+
+def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale: float, causal: bool = True):
+    """FlashAttention-2's varlen forward with its log-sum-exp (see :func:`harts.kernels.attention.naive.attention_forward`).
+
+    q, k, v share one head dim, a multiple of 8 (:func:`flash_parts_available`). Returns (o [Tq, Hq, D], lse
+    [Hq, Tq] float32, the kernel state :func:`attention_backward` needs). Not differentiable: the caller
+    runs the backward (:mod:`.cascade`).
+    """
+    q_bounds = sequence_bounds(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
+    k_bounds = sequence_bounds(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+    max_q = int(np.diff(q_bounds).max(initial=0))
+    max_k = int(np.diff(k_bounds).max(initial=0))
+    cu_q, cu_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
+    out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
+    )
+    state = (rng_state, unused, cu_q, cu_k, max_q, max_k, q_bounds, lse.shape)
+    return out, _rows_lse(lse, q_bounds, q.shape[1]), state
+
+
+def attention_backward(d_o, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, state, *, scale: float, causal: bool = True):
+    """FlashAttention-2's varlen backward given an output and log-sum-exp [Hq, Tq], which may be those of attention
+    over more keys than these (see :func:`harts.kernels.attention.naive.attention_backward`)."""
+    rng_state, unused, cu_q, cu_k, max_q, max_k, q_bounds, kernel_lse_shape = state
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        d_o.contiguous(), q, k, v, o, _kernel_lse(lse, q_bounds, kernel_lse_shape), cu_q, cu_k, max_q, max_k, 0.0, causal,
+        rng_state, unused, scale=scale,
+    )
+    return dq, dk, dv

@@ -39,11 +39,18 @@ def scatter_rows(
     return stacked.index_select(0, torch.as_tensor(inverse, device=stacked.device))
 
 
-def segment_sum_reference(grad: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """grad [N, ...] -> [num_rows, ...]: row r sums ``grad[positions[offsets[r]:offsets[r+1]]]`` in fp32 (at least)."""
+def segment_sum_reference(grad: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor, num_rows: int,
+                          base: torch.Tensor | None = None) -> torch.Tensor:
+    """grad [N, ...] -> [num_rows, ...]: row r sums ``grad[positions[offsets[r]:offsets[r+1]]]`` in fp32 (at least),
+    starting from ``base[r]`` when given (written back into ``base``)."""
     counts = (offsets[1:] - offsets[:-1]).to(torch.long)
     owner = torch.repeat_interleave(torch.arange(num_rows, device=grad.device), counts)  # [N]
     dtype = torch.promote_types(grad.dtype, torch.float32)
-    out = torch.zeros((num_rows, *grad.shape[1:]), dtype=dtype, device=grad.device)
+    if base is None:
+        out = torch.zeros((num_rows, *grad.shape[1:]), dtype=dtype, device=grad.device)
+    else:
+        out = base.to(dtype)
     out.index_add_(0, owner, grad.index_select(0, positions.to(torch.long)).to(dtype))
-    return out.to(grad.dtype)
+    if base is None:
+        return out.to(grad.dtype)
+    return base.copy_(out)

@@ -46,24 +46,30 @@ def segment_sum_available(grad: torch.Tensor) -> bool:
 if TRITON_AVAILABLE:
 
     @triton.jit
-    def _segment_sum_kernel(grad, out, offsets, positions, width, BLOCK: tl.constexpr):
+    def _segment_sum_kernel(grad, out, base, offsets, positions, width, HAS_BASE: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = columns < width
         start = tl.load(offsets + row)
         end = tl.load(offsets + row + 1)
-        total = tl.zeros([BLOCK], dtype=tl.float32)
+        if HAS_BASE:
+            total = tl.load(base + row.to(tl.int64) * width + columns, mask=inside, other=0.0).to(tl.float32)
+        else:
+            total = tl.zeros([BLOCK], dtype=tl.float32)
         for j in range(start, end):
             position = tl.load(positions + j).to(tl.int64)
             total += tl.load(grad + position * width + columns, mask=inside, other=0.0).to(tl.float32)
         tl.store(out + row.to(tl.int64) * width + columns, total.to(out.dtype.element_ty), mask=inside)
 
 
-def segment_sum(grad: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor, num_rows: int) -> torch.Tensor:
+def segment_sum(grad: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor, num_rows: int,
+                base: torch.Tensor | None = None) -> torch.Tensor:
     """grad [N, ...] -> [num_rows, ...] with row r = the fp32 sum of ``grad[positions[offsets[r]:offsets[r+1]]]``.
 
     ``offsets`` [num_rows + 1] and ``positions`` [N] (int64, on grad's device) come from
-    :func:`csr_by_row`; rows with no positions come back zero.
+    :func:`csr_by_row`; rows with no positions come back zero. With ``base`` ([num_rows, ...], grad's dtype)
+    each row's sum starts from that row of ``base`` (in the same fp32 sum), and the result is written into
+    ``base``: a gradient that already holds other terms takes the gather's in one pass, with no full-size add.
     """
     if not TRITON_AVAILABLE:
         raise RuntimeError("segment_sum needs Triton")
@@ -72,9 +78,16 @@ def segment_sum(grad: torch.Tensor, offsets: torch.Tensor, positions: torch.Tens
                          f"for {num_rows} rows and a gradient of {grad.shape[0]}")
     flat = grad.contiguous().view(grad.shape[0], -1)  # [N, W]
     width = flat.shape[1]
-    out = flat.new_empty((num_rows, width))  # [num_rows, W]
+    if base is not None:
+        if base.shape != (num_rows, *grad.shape[1:]) or base.dtype != grad.dtype or not base.is_contiguous():
+            raise ValueError(f"segment_sum: base must be a contiguous {grad.dtype} tensor of shape "
+                             f"{(num_rows, *grad.shape[1:])}, got {base.dtype} {tuple(base.shape)}")
+        out = base.view(num_rows, width)  # each program reads its row of base before it writes it
+    else:
+        out = flat.new_empty((num_rows, width))  # [num_rows, W]
     if num_rows and width:
         block = min(MAX_BLOCK_COLUMNS, triton.next_power_of_2(width))
         grid = (num_rows, triton.cdiv(width, block))
-        _segment_sum_kernel[grid](flat, out, offsets, positions, width, BLOCK=block, num_warps=4)
+        _segment_sum_kernel[grid](flat, out, out, offsets, positions, width, HAS_BASE=base is not None, BLOCK=block,
+                                  num_warps=4)
     return out.view(num_rows, *grad.shape[1:])

@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 RESULTS = {"examples": 0, "rows_read_nowhere": 0, "repeated_rows": 0, "column_blocks": 0,
-           "kernel_error": {"float32": 0.0, "bfloat16": 0.0}, "gather_error": {"float32": 0.0, "bfloat16": 0.0}}
+           "kernel_error": {"float32": 0.0, "bfloat16": 0.0}, "gather_error": {"float32": 0.0, "bfloat16": 0.0},
+           "base_error": {"float32": 0.0, "bfloat16": 0.0}}
 
 
 @st.composite
@@ -47,6 +48,16 @@ def check(case, seed):
     scale = want.double().abs().max().clamp_min(1.0)
     name = str(dtype).removeprefix("torch.")
     RESULTS["kernel_error"][name] = max(RESULTS["kernel_error"][name], float((got.double() - want.double()).abs().max() / scale))
+
+    # with a base: the sums start from it, in place
+    base = torch.randn(num_rows, *shape, generator=generator).to(dtype)
+    base_copy = base.clone()
+    got = segment_sum.segment_sum(grad, offsets, positions, num_rows, base=base)
+    want = naive.segment_sum_reference(grad, offsets, positions, num_rows, base=base_copy.clone())
+    assert got.data_ptr() == base.data_ptr()
+    exact = (base_copy.double() + naive.segment_sum_reference(grad.double(), offsets, positions, num_rows)).to(dtype)
+    scale = exact.double().abs().max().clamp_min(1.0)
+    RESULTS["base_error"][name] = max(RESULTS["base_error"][name], float((got.double() - want.double()).abs().max() / scale))
 
     # the module's backward routes through the kernel here (single output with repeats)
     source = torch.randn(num_rows, *shape, generator=generator).to(dtype)

@@ -35,6 +35,16 @@ def test_the_reference_sums_each_rows_reads():
     assert got.tolist() == [[2.0, 3.0], [0.0, 0.0], [0.0 + 4 + 6, 1.0 + 5 + 7]]
 
 
+def test_the_reference_starts_from_a_base_and_writes_into_it():
+    rows = np.array([2, 0, 2])
+    offsets, positions = (torch.as_tensor(a) for a in csr_by_row(rows, 3))
+    grad = torch.arange(6, dtype=torch.float32).view(3, 2)
+    base = torch.ones(3, 2)
+    got = naive.segment_sum_reference(grad, offsets, positions, 3, base=base)
+    assert got.data_ptr() == base.data_ptr()
+    assert got.tolist() == [[3.0, 4.0], [1.0, 1.0], [1.0 + 0 + 4, 1.0 + 1 + 5]]
+
+
 def test_the_kernel_matches_the_reference_under_the_interpreter():
     results = run_under_interpreter(CASES, timeout=900)
     assert results["examples"] >= 30
@@ -43,6 +53,8 @@ def test_the_kernel_matches_the_reference_under_the_interpreter():
     # (the interpreter's float32 -> bfloat16 conversion may round differently from torch's)
     assert results["kernel_error"]["float32"] < 1e-6 and results["gather_error"]["float32"] < 1e-6, results
     assert results["kernel_error"]["bfloat16"] < 1e-2 and results["gather_error"]["bfloat16"] < 1e-2, results
+    # with a base row to start from, the same sums written into the base
+    assert results["base_error"]["float32"] < 1e-6 and results["base_error"]["bfloat16"] < 1e-2, results
 
 
 @pytest.mark.gpu

@@ -209,3 +209,28 @@ def test_tokens_outside_the_vocabulary_name_the_trajectory():
         log_probs(model, plan, batch)
     with pytest.raises(RolloutInputError, match="trajectory 1: field 'tokens' entry 2 is 70"):
         log_probs_baseline(model, batch)
+
+
+@pytest.mark.parametrize("attention", ["mla", "gqa", "mha"])
+def test_attention_split_at_the_forks_matches_baseline(attention, monkeypatch):
+    """The full-attention layers on the cascade program (own rows in place, ancestor runs once per fork, merged
+    by log-sum-exp, with its own backward) hold the whole model to the baseline as the gathered views do."""
+    from harts.runtime.tree_view import TreeView
+
+    monkeypatch.setattr(TreeView, "attention_program", "cascade_attention")
+    for batch, chunk_size, groups in ((figure_batch(), 4, [[0, 2, 4, 5, 6], [1, 3]]), (nested_forks_batch(), 4, None)):
+        compare(tiny_model("kda", attention), make_plan(batch, chunk_size, groups), batch, recompute=attention == "mla")
+
+
+@settings(max_examples=10, deadline=None)
+@given(case=batches_with_groups(max_trajectories=6, max_length=20), attention=st.sampled_from(["mla", "gqa"]))
+def test_hypothesis_batches_with_attention_split_at_the_forks_match_baseline(case, attention):
+    from harts.runtime.tree_view import TreeView
+
+    batch, chunk_size, groups = case
+    original = TreeView.attention_program
+    TreeView.attention_program = "cascade_attention"
+    try:
+        compare(tiny_model("gdn", attention), make_plan(batch, chunk_size, groups), batch, recompute=True)
+    finally:
+        TreeView.attention_program = original
