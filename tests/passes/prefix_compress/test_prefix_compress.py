@@ -155,3 +155,13 @@ def test_prefix_trajectory_and_duplicates_share_rows():
     assert trie.rows(1) == trie.rows(0)[:2]
     assert trie.compact_tokens == 5
     assert trie.nodes[trie.leaf[1]].end == 2
+
+
+@given(token_trees(max_trajectories=10), st.data())
+def test_lcps_of_trajectories_is_lcp_trajectories_of_each_pair(trajectories, data):
+    trie = compress(trajectories).trie
+    index = PrefixIndex.from_trie(trie, [len(t) for t in trajectories])
+    pairs = data.draw(st.lists(st.tuples(st.integers(0, len(trajectories) - 1), st.integers(0, len(trajectories) - 1)), max_size=20))
+    x = np.array([a for a, _ in pairs], dtype=np.int64)
+    y = np.array([b for _, b in pairs], dtype=np.int64)
+    assert index.lcps_of_trajectories(x, y).tolist() == [lcp(trajectories[a], trajectories[b]) for a, b in pairs]
