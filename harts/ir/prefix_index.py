@@ -69,6 +69,15 @@ class PrefixIndex:
         """LCP of trajectories ``x`` and ``y`` (batch indices)."""
         return self.lcp_ranks(int(self.rank[x]), int(self.rank[y]))
 
+    def lcps_of_trajectories(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """:meth:`lcp_trajectories` of every pair ``x[i], y[i]`` (batch indices), at once."""
+        ranks_x, ranks_y = self.rank[x], self.rank[y]
+        lo, hi = np.minimum(ranks_x, ranks_y), np.maximum(ranks_x, ranks_y)
+        shared = self.lengths[lo].copy()  # a trajectory shares all of itself
+        apart = lo < hi
+        shared[apart] = self._range_min(lo[apart] + 1, hi[apart])
+        return shared
+
     def interval_work(self, a: int, b: int) -> int:
         """W(a, b): compact tokens of ranks ``a..b`` inclusive (0 if ``a > b``)."""
         if a > b:

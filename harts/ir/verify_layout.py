@@ -205,22 +205,80 @@ def _check_headers(module: Module, layouts: tuple) -> list[dict[str, _RunView]]:
             fail(f"microbatch {module.microbatches[position].index}: expected a MicrobatchLayout, got {type(layout).__name__}")
     by_name = {name: _run_views(layouts, name, step) for name, step in _RUN_STEPS.items()}
     views = [{name: by_name[name][k] for name in _RUN_STEPS} for k in range(len(layouts))]
+    sound = _structures_sound(layouts, views)
     for microbatch, layout, layout_views in zip(module.microbatches, layouts, views):
-        _check_layout_header(module, microbatch, layout, layout_views)
+        _check_layout_header(module, microbatch, layout, layout_views, structure_sound=sound)
     return views
+
+
+#: the offset arrays of a layout: (name, what counts its entries, what its last entry must be), as
+#: :meth:`~harts.ir.layout.MicrobatchLayout.structure_problem` checks them
+_OFFSETS = (
+    ("round_seq_start", lambda layout: layout.num_rounds, lambda layout: layout.num_sequences),
+    ("seq_row_start", lambda layout: layout.num_sequences, lambda layout: layout.num_rows),
+    ("export_offsets", lambda layout: layout.num_sequences, lambda layout: layout.num_exports),
+    ("ancestor_offsets", lambda layout: layout.num_sequences, lambda layout: layout.array_length("ancestor_rows")),
+    ("trajectory_offsets", lambda layout: len(layout.trajectories), lambda layout: layout.array_length("trajectory_rows")),
+)
+_SEQUENCE_FIELDS = ("seq_trajectory", "seq_start", "seq_end", "seq_replay_start", "seq_state_source", "seq_state_chunk",
+                    "seq_state_export")
+
+
+def _structures_sound(layouts: tuple, views: list[dict[str, _RunView]]) -> bool:
+    """Whether no layout has a :meth:`~harts.ir.layout.MicrobatchLayout.structure_problem`: its checks for all
+    layouts at once, a few numpy expressions over their arrays end to end instead of a few calls per layout (most
+    of the header checks' time on steps of hundreds of microbatches). False sends every layout through
+    ``structure_problem``, which names the first problem."""
+    if not layouts:
+        return True
+    rows = [layout.num_rows for layout in layouts]
+    sequences = [layout.num_sequences for layout in layouts]
+    exports = [layout.num_exports for layout in layouts]
+    for layout, row_count, sequence_count, export_count, layout_views in zip(layouts, rows, sequences, exports, views):
+        if layout.array_length("row_position") != row_count or layout.array_length("row_multiplicity") != row_count:
+            return False
+        if any(getattr(layout, name).shape[0] != sequence_count for name in _SEQUENCE_FIELDS):
+            return False
+        if layout.export_chunk.shape[0] != export_count:
+            return False
+        for name in ("trajectory_rows", "ancestor_rows"):
+            extremes = layout_views[name].extremes
+            if extremes is not None and (extremes[0] < 0 or extremes[1] >= row_count):
+                return False
+    for name, size_of, total_of in _OFFSETS:
+        arrays = [getattr(layout, name) for layout in layouts]
+        sizes = [size_of(layout) for layout in layouts]
+        if any(size < 0 or array.shape[0] != size + 1 for array, size in zip(arrays, sizes)):
+            return False
+        # every array has an entry now: each starts at 0, ends at its total and never falls inside itself
+        flat = np.concatenate(arrays)
+        bounds = offsets_of([array.shape[0] for array in arrays])
+        falls = np.diff(flat) < 0
+        falls[bounds[1:-1] - 1] = False  # one layout's last entry and the next one's first
+        if (flat[bounds[:-1]] != 0).any() or (flat[bounds[1:] - 1] != np.array([total_of(layout) for layout in layouts])).any() \
+                or falls.any():
+            return False
+    counts = np.array(sequences, dtype=np.int64)
+    state_exports = np.concatenate([layout.seq_state_export for layout in layouts])
+    state_sources = np.concatenate([layout.seq_state_source for layout in layouts])
+    return not ((state_exports >= np.repeat(np.array(exports, dtype=np.int64), counts)).any()
+                or (state_sources >= np.repeat(counts, counts)).any())
 
 
 def _scanned_views(layout: MicrobatchLayout) -> dict[str, _RunView]:
     return {name: _RunView.scanned(layout.runs_array(name), step) for name, step in _RUN_STEPS.items()}
 
 
-def _check_layout_header(module: Module, microbatch, layout: MicrobatchLayout, views: dict[str, _RunView]) -> None:
-    """One layout's structure, microbatch, chunk size and size (``views``: its long arrays)."""
+def _check_layout_header(module: Module, microbatch, layout: MicrobatchLayout, views: dict[str, _RunView],
+                         structure_sound: bool = False) -> None:
+    """One layout's structure (unless ``structure_sound``: :func:`_structures_sound` checked it), microbatch,
+    chunk size and size (``views``: its long arrays)."""
     where = f"microbatch {microbatch.index}"
-    extremes = {name: views[name].extremes for name in ("trajectory_rows", "ancestor_rows")}
-    problem = layout.structure_problem(row_extremes=extremes)
-    if problem is not None:
-        fail(f"{where}: layout: {problem}")
+    if not structure_sound:
+        extremes = {name: views[name].extremes for name in ("trajectory_rows", "ancestor_rows")}
+        problem = layout.structure_problem(row_extremes=extremes)
+        if problem is not None:
+            fail(f"{where}: layout: {problem}")
     if (layout.microbatch, layout.chunk_size) != (microbatch.index, module.chunk_size):
         fail(
             f"{where}: the layout is of microbatch {layout.microbatch} at chunk size {layout.chunk_size}, "

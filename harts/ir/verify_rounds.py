@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from harts.ir.nodes import CompactTrie, InputSequence, Microbatch, Module, Phase
 from harts.ir.prefix_index import PrefixIndex
 from harts.ir.verify_common import fail
@@ -201,7 +203,7 @@ def _check_chain(here: str, segments, children: list[list[int]], sequence: Input
 
 
 def _check_state_source(here: str, sequence: InputSequence, round_index: int, by_producer: dict,
-                        prefixes: PrefixIndex) -> tuple[int, int, int] | None:
+                        prefixes: PrefixIndex, shared_of: dict[int, int]) -> tuple[int, int, int] | None:
     """The zero state (then no replay), or a state an earlier round exports on the same token prefix;
     returns the export it asks for."""
     source = sequence.state_from
@@ -223,7 +225,9 @@ def _check_state_source(here: str, sequence: InputSequence, round_index: int, by
             f"{here}: state at {source.position} is not exported by trajectory {source.trajectory} "
             f"in round {source.round} (exports {list(producer.exports)})"
         )
-    shared = prefixes.lcp_trajectories(source.trajectory, sequence.trajectory)
+    shared = shared_of.get(id(sequence))
+    if shared is None:
+        shared = prefixes.lcp_trajectories(source.trajectory, sequence.trajectory)
     if shared < source.position:
         fail(f"{here}: shares only {shared} tokens with trajectory {source.trajectory}, so its state at {source.position} is another prefix's")
     return source.round, source.trajectory, source.position
@@ -272,7 +276,22 @@ def _check_replay(where: str, microbatch: Microbatch, chunk: int) -> None:
         fail(f"{where}: replay_tokens {microbatch.replay_tokens}, sequences replay {replayed}, Eq. 15 gives {expected}")
 
 
-def _verify_rounds(module: Module, microbatch: Microbatch, prefixes: PrefixIndex) -> None:
+def _state_source_lcps(module: Module, prefixes: PrefixIndex) -> dict[int, int]:
+    """The LCP of each sequence that starts from a state with the trajectory it reads the state from, by the
+    sequence's ``id``: the sparse table answers all of them in one numpy expression, not one lookup each.
+    Sequences whose trajectories are not the batch's are left out (their checks fail before the LCP is read)."""
+    count = len(module.trajectories)
+    sequences = [sequence for microbatch in module.microbatches for round_ in (microbatch.rounds or ())
+                 for sequence in round_.sequences if sequence.state_from is not None
+                 and 0 <= sequence.state_from.trajectory < count and 0 <= sequence.trajectory < count]
+    if not sequences:
+        return {}
+    sources = np.fromiter((sequence.state_from.trajectory for sequence in sequences), dtype=np.int64, count=len(sequences))
+    readers = np.fromiter((sequence.trajectory for sequence in sequences), dtype=np.int64, count=len(sequences))
+    return dict(zip(map(id, sequences), prefixes.lcps_of_trajectories(sources, readers).tolist()))
+
+
+def _verify_rounds(module: Module, microbatch: Microbatch, prefixes: PrefixIndex, shared_of: dict[int, int]) -> None:
     """One microbatch's rounds, invariant by invariant (each check names what it holds)."""
     where = f"microbatch {microbatch.index}"
     segments = microbatch.segments
@@ -290,7 +309,7 @@ def _verify_rounds(module: Module, microbatch: Microbatch, prefixes: PrefixIndex
             here = f"{where}, round {round_.index}, trajectory {sequence.trajectory}"
             _check_span(here, module, members, sequence)
             _check_chain(here, segments, children, sequence, round_.index, executed)
-            request = _check_state_source(here, sequence, round_.index, by_producer, prefixes)
+            request = _check_state_source(here, sequence, round_.index, by_producer, prefixes, shared_of)
             if request is not None:
                 requested.add(request)
             covered.extend(_output_rows(module.trie, sequence.trajectory, sequence.start, sequence.end))
@@ -314,7 +333,8 @@ def verify_rounded(module: Module) -> None:
     if module.trie is None or module.microbatches is None:
         fail(f"phase {module.phase} needs a compact trie and microbatches")
     prefixes = PrefixIndex.from_module(module)
+    shared_of = _state_source_lcps(module, prefixes)
     for microbatch in module.microbatches:
         if microbatch.segments is None:
             fail(f"microbatch {microbatch.index}: phase {module.phase} needs segments")
-        _verify_rounds(module, microbatch, prefixes)
+        _verify_rounds(module, microbatch, prefixes, shared_of)

@@ -16,8 +16,98 @@ from harts.passes.base import Pass, PassContext
 from harts.passes.registry import builtin_pass
 
 
+#: a trajectory is first compared with the pivot over this many tokens, each further block four times longer: a
+#: difference soon after the shared stretch costs a short read, and a long shared stretch few numpy calls (each one
+#: hands the GIL to the thread hashing the batch meanwhile and back, see ``harts.compiler``)
+_FIRST_BLOCK = 4096
+#: the pivot sort visits each trajectory a few times on rollout trees (once per pivot it is compared with); past this
+#: many visits per trajectory (chains of prefixes, which it splits one trajectory at a time) the key sort takes over
+_VISITS_PER_TRAJECTORY = 32
+
+
 def sorted_order_and_lcp(tokens: tuple[np.ndarray, ...]) -> tuple[list[int], list[int]]:
     """Stable lexicographic order of token arrays and the LCP of each rank with the previous one.
+
+    A three-way radix quicksort on whole shared stretches: a group of trajectories that share their first
+    ``depth`` tokens is split by each member's LCP with a pivot (its first member) and the token after it.
+    Members that leave the pivot at the same position with the same token form a subgroup, which shares one
+    token more than that LCP; those below the pivot come first, the earlier they leave it the sooner, and those
+    above it last, the later they leave it the sooner. Each comparison starts at ``depth``, past what the group
+    is known to share, so a token is read about once however long the prefixes the batch shares, in place
+    (no copy of the batch's tokens), and the LCPs of adjacent ranks fall out of the splits. Falls back to
+    :func:`_sorted_by_keys` when the splits stop shrinking the groups (see :data:`_VISITS_PER_TRAJECTORY`).
+    """
+    if not tokens:
+        return [], []
+    lengths = [len(trajectory) for trajectory in tokens]
+    order: list[int] = []
+    lcp: list[int] = []
+    visits = _VISITS_PER_TRAJECTORY * len(tokens)
+    # (members in index order, the tokens they all share or None for a single trajectory, LCP of its first rank)
+    stack: list[tuple[list[int], int | None, int]] = [(list(range(len(tokens))), 0, 0)]
+    while stack:
+        members, depth, lead = stack.pop()
+        if depth is None or len(members) == 1:
+            order.append(members[0])
+            lcp.append(lead)
+            continue
+        visits -= len(members)
+        if visits < 0:
+            return _sorted_by_keys(tokens)
+        pivot = members[0]
+        pivot_tokens, pivot_length = tokens[pivot], lengths[pivot]
+        equal = [pivot]
+        below: dict[tuple[int, int], list[int]] = {}
+        above: dict[tuple[int, int], list[int]] = {}
+        for member in members[1:]:
+            array, length = tokens[member], lengths[member]
+            shared = _first_difference(array, pivot_tokens, depth, min(length, pivot_length))
+            if shared == length:
+                # a prefix of the pivot (the token after it is "none", below every token), or the pivot itself
+                (equal if shared == pivot_length else below.setdefault((shared, -1), [])).append(member)
+            elif shared == pivot_length:
+                above.setdefault((-shared, int(array[shared])), []).append(member)
+            else:
+                token = int(array[shared])
+                if token < int(pivot_tokens[shared]):
+                    below.setdefault((shared, token), []).append(member)
+                else:
+                    above.setdefault((-shared, token), []).append(member)
+        buckets = [(shared, token, group) for (shared, token), group in sorted(below.items())]
+        buckets.append((pivot_length, -1, equal))
+        buckets.extend((-negated, token, group) for (negated, token), group in sorted(above.items()))
+        # two ranks of different buckets share exactly the smaller of the buckets' LCPs with the pivot
+        parts: list[tuple[list[int], int | None, int]] = []
+        previous = None
+        for shared, token, group in buckets:
+            first_lcp = lead if previous is None else min(previous, shared)
+            if token < 0:
+                # one trajectory repeated (the pivot, or a prefix of it): its copies follow in index order
+                parts.append(([group[0]], None, first_lcp))
+                parts.extend(([member], None, shared) for member in group[1:])
+            else:
+                parts.append((group, shared + 1, first_lcp))
+            previous = shared
+        stack.extend(reversed(parts))
+    return order, lcp
+
+
+def _first_difference(a: np.ndarray, b: np.ndarray, start: int, stop: int) -> int:
+    """The first position in ``[start, stop)`` where ``a`` and ``b`` differ, else ``stop``; read in blocks that
+    grow from :data:`_FIRST_BLOCK`, so a difference soon after ``start`` costs a short read."""
+    block = _FIRST_BLOCK
+    while start < stop:
+        end = min(stop, start + block)
+        differs = a[start:end] != b[start:end]
+        first = int(differs.argmax())
+        if differs[first]:
+            return start + first
+        start, block = end, 4 * block
+    return stop
+
+
+def _sorted_by_keys(tokens: tuple[np.ndarray, ...]) -> tuple[list[int], list[int]]:
+    """:func:`sorted_order_and_lcp` by sorting byte keys: a copy of every trajectory, but no case it splits slowly.
 
     Token ids are below 2**32 (:data:`harts.rollouts.fields.MAX_TOKEN_ID`), so their big-endian 4-byte
     strings compare as the arrays do. The LCPs compare those same bytes, read in place as 4-byte words

@@ -80,6 +80,47 @@ def test_the_verifier_catches_any_changed_entry_of_any_layout_array(plan, data):
         verify(LaidOutModule(module=stage.module, layouts=tuple(layouts)))
 
 
+_STRUCTURE_FIELDS = ("round_seq_start", "seq_row_start", "export_offsets", "ancestor_offsets", "trajectory_offsets",
+                     "seq_state_source", "seq_state_export", "seq_trajectory", "export_chunk")
+
+
+@settings(max_examples=60, deadline=None)
+@given(laid_out_plans(), st.data())
+def test_the_structure_checks_of_all_layouts_at_once_agree_with_each_layouts(plan, data):
+    """The verifier checks every layout's structure in one sweep (``_structures_sound``); an edited offset or state
+    array of any layout makes it fail exactly when that layout's own ``structure_problem`` names a fault, and the
+    verifier then raises that layout's message."""
+    from harts.ir.verify_layout import _check_headers, _structures_sound
+
+    stage = plan.stage
+    layouts = list(stage.layouts)
+    microbatch = data.draw(st.integers(0, len(layouts) - 1), label="microbatch")
+    name = data.draw(st.sampled_from(_STRUCTURE_FIELDS), label="field")
+    values = getattr(layouts[microbatch], name).copy()
+    how = data.draw(st.sampled_from(["shift", "drop", "extend"]) if values.size else st.just("extend"), label="edit")
+    if how == "shift":
+        values[data.draw(st.integers(0, values.size - 1), label="entry")] += data.draw(st.sampled_from([-2, -1, 1, 2, 50]), label="delta")
+    elif how == "drop":
+        values = values[:-1]
+    else:
+        values = np.append(values, data.draw(st.integers(-1, 60), label="value"))
+    layouts[microbatch] = attrs.evolve(layouts[microbatch], **{name: values})
+    broken = LaidOutModule(module=stage.module, layouts=tuple(layouts))
+    problems = [layout.structure_problem() for layout in layouts]
+    sound = all(problem is None for problem in problems)
+    views = _check_headers(stage.module, stage.layouts)  # the views of the intact layouts, for the sweep's signature
+    assert _structures_sound(stage.layouts, views)
+    if sound:
+        try:
+            verify(broken)
+        except IRVerificationError as error:
+            assert "layout: " not in str(error)
+    else:
+        first = next(k for k, problem in enumerate(problems) if problem is not None)
+        with pytest.raises(IRVerificationError, match=re.escape(f"microbatch {first}: layout: {problems[first]}")):
+            verify(broken)
+
+
 def test_the_verifier_names_what_is_wrong():
     plan = harts.compile(harts.RolloutBatch.from_trajectories([[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 2, 7]]), chunk_size=2)
     stage = plan.stage

@@ -230,3 +230,19 @@ def test_a_layout_that_is_not_one_is_named_after_the_faults_of_the_layouts_befor
     with pytest.raises(IRVerificationError, match=re.escape("microbatch 0: layout: trajectory_rows holds a row outside")):
         verify(LaidOutModule(module=stage.module, layouts=tuple(not_a_layout)))
     assert layout.num_rows
+
+
+def test_the_state_source_lcps_read_at_once_are_each_sequences_own(stage):
+    """The rounds verifier reads the LCP of every state reader with its source from one sparse-table sweep: the
+    LCP of those two trajectories, for every sequence that starts from a state."""
+    from harts.ir.prefix_index import PrefixIndex
+    from harts.ir.verify_rounds import _state_source_lcps
+
+    module = stage.module
+    prefixes = PrefixIndex.from_module(module)
+    shared_of = _state_source_lcps(module, prefixes)
+    readers = [s for mb in module.microbatches for r in mb.rounds for s in r.sequences if s.state_from is not None]
+    assert readers and len(shared_of) == len(readers)
+    for sequence in readers:
+        assert shared_of[id(sequence)] == prefixes.lcp_trajectories(sequence.state_from.trajectory, sequence.trajectory)
+        assert shared_of[id(sequence)] >= sequence.state_from.position

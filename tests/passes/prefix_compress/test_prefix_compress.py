@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import itertools
 
-from hypothesis import given
+import numpy as np
+
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harts.rollouts.batch import RolloutBatch
 from harts.ir.prefix_index import PrefixIndex
 from harts.ir.verify import verify
 from harts.passes import PassContext, lower
-from harts.passes.prefix_compress import PrefixCompress, build_compact_trie
+from harts.passes.prefix_compress import PrefixCompress, _sorted_by_keys, build_compact_trie, sorted_order_and_lcp
 from tests.helpers import token_trees
 
 
@@ -100,6 +102,43 @@ def test_subsets_work_is_eq5_of_each_set(trajectories, groups):
     expected = [len(distinct_prefixes([trajectories[i] for i in set(group)])) for group in groups]
     assert index.subsets_work(groups).tolist() == expected == [index.subset_work(group) for group in groups]
 
+def expected_order_and_lcp(trajectories):
+    """Stable lexicographic order (Python's sort of the token lists) and each rank's LCP with the one before it."""
+    order = sorted(range(len(trajectories)), key=lambda i: trajectories[i])
+    return order, [0] + [lcp(trajectories[a], trajectories[b]) for a, b in zip(order, order[1:])]
+
+
+def as_arrays(trajectories):
+    return tuple(np.array(t, dtype=np.int64) for t in trajectories)
+
+
+@settings(max_examples=300)
+@given(token_trees(max_trajectories=14, max_length=60, vocab=3))
+def test_sorted_order_and_lcp_is_the_stable_lexicographic_order(trajectories):
+    """The pivot sort and the key sort it falls back to both give Python's stable sort and the adjacent LCPs,
+    duplicates and prefixes of other trajectories included."""
+    expected = expected_order_and_lcp(trajectories)
+    assert sorted_order_and_lcp(as_arrays(trajectories)) == expected
+    assert _sorted_by_keys(as_arrays(trajectories)) == expected
+
+
+@given(st.integers(1, 3), st.lists(st.integers(0, 2 ** 32 - 1), min_size=1, max_size=3))
+def test_sorted_order_and_lcp_of_long_shared_stretches_and_large_ids(blocks, tails):
+    """Shared stretches longer than the first blocks compared, and token ids up to 2**32 - 1."""
+    shared = [(7 * k) % 1000 for k in range(4096 * blocks + 5)]
+    trajectories = [shared + [tail] + shared[:tail % 50] for tail in tails] + [shared, shared[:4096], shared + [0]]
+    assert sorted_order_and_lcp(as_arrays(trajectories)) == expected_order_and_lcp(trajectories)
+
+
+def test_sorted_order_and_lcp_of_a_chain_of_prefixes():
+    """Each trajectory a prefix of the next: with the shortest first, every pivot splits off only itself and the key
+    sort takes over; with the longest first, one pivot splits them all."""
+    chain = [list(range(1, k + 1)) for k in range(1, 201)] + [list(range(1, 100)) + [0]]
+    for trajectories in (chain, chain[::-1]):
+        assert sorted_order_and_lcp(as_arrays(trajectories)) == expected_order_and_lcp(trajectories)
+    assert sorted_order_and_lcp(()) == ([], [])
+
+
 def test_split_cost_is_the_boundary_lcp():
     trajectories = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [7]]
     trie = build_compact_trie(RolloutBatch.from_trajectories(trajectories).tokens)
@@ -116,3 +155,13 @@ def test_prefix_trajectory_and_duplicates_share_rows():
     assert trie.rows(1) == trie.rows(0)[:2]
     assert trie.compact_tokens == 5
     assert trie.nodes[trie.leaf[1]].end == 2
+
+
+@given(token_trees(max_trajectories=10), st.data())
+def test_lcps_of_trajectories_is_lcp_trajectories_of_each_pair(trajectories, data):
+    trie = compress(trajectories).trie
+    index = PrefixIndex.from_trie(trie, [len(t) for t in trajectories])
+    pairs = data.draw(st.lists(st.tuples(st.integers(0, len(trajectories) - 1), st.integers(0, len(trajectories) - 1)), max_size=20))
+    x = np.array([a for a, _ in pairs], dtype=np.int64)
+    y = np.array([b for _, b in pairs], dtype=np.int64)
+    assert index.lcps_of_trajectories(x, y).tolist() == [lcp(trajectories[a], trajectories[b]) for a, b in pairs]
