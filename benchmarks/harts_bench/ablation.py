@@ -39,6 +39,7 @@ from harts.runtime.view import BaselineView, SameRows
 
 __all__ = [
     "CascadeAttentionView",
+    "PackedLinearRowsView",
     "NoReplayView",
     "NodeAtATimeView",
     "TrieNodes",
@@ -188,13 +189,12 @@ def _parents_first(parent: np.ndarray) -> np.ndarray:
     return np.asarray(order, dtype=np.int64)
 
 
-class CompactLinearRowsView(TreeView):
-    """TreeView whose linear-attention layers run on the compact rows: every round packs its q, k, v, decay and
-    beta from them and scatters its outputs back (the data flow before :meth:`TreeView.linear_rows`), for an
-    A/B of the packed linear-attention rows on one plan in one process."""
+class PackedLinearRowsView(TreeView):
+    """TreeView whose linear-attention layers run on the packed rows (:attr:`TreeView.pack_linear_rows`: the
+    hidden rows gathered into round order once, the rounds slices of them) instead of every round packing its
+    q, k, v, decay and beta from the compact rows, for an A/B of the two on one plan in one process."""
 
-    def linear_rows(self) -> SameRows:
-        return SameRows(self)
+    pack_linear_rows = True
 
 
 class CascadeAttentionView(TreeView):
@@ -205,7 +205,7 @@ class CascadeAttentionView(TreeView):
     attention_program = "cascade_attention"
 
 
-class NodeAtATimeView(CompactLinearRowsView):
+class NodeAtATimeView(TreeView):
     """A compiled microbatch's view whose linear attention runs one call per trie node.
 
     Everything but linear attention is :class:`TreeView`'s (same generated programs, same

@@ -93,7 +93,7 @@ from harts.runtime.tree_view import TreeView
 from harts.runtime.view import BaselineView
 from harts_bench.ablation import (
     CascadeAttentionView,
-    CompactLinearRowsView,
+    PackedLinearRowsView,
     NodeAtATimeView,
     NoReplayView,
     TrieNodes,
@@ -183,10 +183,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--train-step", action="store_true",
                         help="also time harts.train.Trainer.step (what `harts train` runs) in both modes on the same "
                              "model, plan and batch, and print the headline-train line")
-    parser.add_argument("--compact-linear-rows", action="store_true",
-                        help="also time the HARTS pass with the linear-attention layers on the compact rows (each round "
-                             "packing its own q, k, v and gate; harts_bench.ablation.CompactLinearRowsView): the A/B of "
-                             "the packed linear-attention rows in one process")
+    parser.add_argument("--packed-linear-rows", action="store_true",
+                        help="also time the HARTS pass with the linear-attention layers on the packed rows (hidden rows "
+                             "gathered into round order once; harts_bench.ablation.PackedLinearRowsView) against the "
+                             "default, where each round packs its own q, k, v and gate from the compact rows")
     parser.add_argument("--cascade-attention", action="store_true",
                         help="also time the HARTS pass with the full-attention layers split at the forks (own rows "
                              "in place, each shared ancestor run once per fork, merged by log-sum-exp; "
@@ -898,15 +898,16 @@ def _measure_passes(run: _Run):
         model, run.device, args.warmup, args.repeats)
     results["harts"] = harts_result
     results["gradient_cosine"] = gradient_agreement(baseline_grads, model)
-    if args.compact_linear_rows:
-        compact_rows, _ = measure(
-            "harts, linear attention on compact rows",
+    if args.packed_linear_rows:
+        packed_rows, _ = measure(
+            "harts, linear attention on packed rows",
             lambda collect: harts_pass(model, run.bound, run.batch, run.kernels, run.num_trajectories, False,
-                                       view_type=CompactLinearRowsView),
+                                       view_type=PackedLinearRowsView),
             model, run.device, args.warmup, args.repeats)
-        results["harts_compact_linear_rows"] = compact_rows
-        say(f"packed linear-attention rows: {harts_result['mean_seconds']:.3f} s a pass, compact rows "
-            f"{compact_rows['mean_seconds']:.3f} s ({compact_rows['mean_seconds'] / harts_result['mean_seconds']:.3f}x)")
+        results["harts_packed_linear_rows"] = packed_rows
+        say(f"packed linear-attention rows: {packed_rows['mean_seconds']:.3f} s a pass against "
+            f"{harts_result['mean_seconds']:.3f} s on the compact rows "
+            f"({packed_rows['mean_seconds'] / harts_result['mean_seconds']:.3f}x)")
     if args.cascade_attention:
         cascade, _ = measure(
             "harts, attention split at the forks",

@@ -16,10 +16,13 @@ Gathers are :class:`~harts.kernels.rows.packed.RowGather` modules: when several 
 one row, backward sums their gradients into it, and a row read once gets its gradient by a
 copy. ``row_weight`` is each row's multiplicity q.
 
-The linear-attention layers run on packed rows when the layout has replay (:meth:`TreeView.linear_rows`,
-:func:`harts.codegen.fx.linear_rows`): the layer's hidden rows are gathered into round order once, its
-projections, convolution and rounds run there (:class:`PackedRowsView`), and its output rows are taken
-back at each compact row's own position.
+The linear-attention layers run on the compact rows, each round packing its own q, k, v, decay and beta.
+With :attr:`TreeView.pack_linear_rows` they run on packed rows when the layout has replay
+(:meth:`TreeView.linear_rows`, :func:`harts.codegen.fx.linear_rows`): the layer's hidden rows are gathered
+into round order once, its projections, convolution and rounds run there (:class:`PackedRowsView`), and
+its output rows are taken back at each compact row's own position. That moves fewer bytes but measured
+slower on the headline (an H200: 2.215 s a pass against 2.169 s, ``harts-bench --packed-linear-rows``),
+so it is not the default.
 """
 
 from __future__ import annotations
@@ -107,12 +110,18 @@ class TreeView(_LayoutPrograms):
         """[C] token ids of the rows, from the batch's per-trajectory token arrays."""
         return torch.as_tensor(self.layout.input_ids(tokens), dtype=torch.long).to(self.device)
 
+    #: whether the linear-attention layers run on the packed rows (see the module docstring)
+    pack_linear_rows = False
+
     def linear_rows(self) -> LinearRows:
-        """Where the linear-attention layers run: the packed rows of :func:`harts.codegen.fx.linear_rows` when
-        a round replays rows, else these rows (nothing to pack)."""
+        """Where the linear-attention layers run: with :attr:`pack_linear_rows`, the packed rows of
+        :func:`harts.codegen.fx.linear_rows` when a round replays rows; else these rows."""
         if self._linear_rows is None:
-            packed = self.programs.get(self.layout, "linear_rows", lambda: linear_rows(self.layout))
-            self._linear_rows = PackedRowsView(self, packed) if packed["has_replay"] else SameRows(self)
+            packed = None
+            if self.pack_linear_rows:
+                packed = self.programs.get(self.layout, "linear_rows", lambda: linear_rows(self.layout))
+            has_replay = packed is not None and packed["has_replay"]
+            self._linear_rows = PackedRowsView(self, packed) if has_replay else SameRows(self)
         return self._linear_rows
 
     #: the program the full-attention layers run: ``"attention"`` (one gathered key/value view per sequence)

@@ -24,6 +24,15 @@ from tests.helpers import batches_with_groups, make_plan, tiny_model
 from tests.helpers.runtime import forked_batch
 
 
+class PackedTreeView(TreeView):
+    pack_linear_rows = True
+
+
+def test_the_default_view_runs_linear_attention_on_its_own_rows():
+    for layout in _forked_layouts():
+        assert isinstance(TreeView(layout).linear_rows(), SameRows)
+
+
 def _layouts(plan):
     return [plan.layout(m) for m in range(len(plan.module.microbatches))]
 
@@ -37,7 +46,7 @@ def test_forked_batch_has_replay_and_packs():
     layouts = _forked_layouts()
     assert any(layout.replay_tokens for layout in layouts)
     for layout in layouts:
-        rows = TreeView(layout).linear_rows()
+        rows = PackedTreeView(layout).linear_rows()
         if layout.replay_tokens:
             assert isinstance(rows, PackedRowsView)
             assert rows.num_rows == layout.num_rows + layout.replay_tokens
@@ -70,7 +79,7 @@ def _check_packed_order(layout):
 
 
 def _check_maps(layout):
-    rows = TreeView(layout).linear_rows()
+    rows = PackedTreeView(layout).linear_rows()
     x = torch.randn(layout.num_rows, 3, dtype=torch.float64, requires_grad=True)
     packed = rows.pack(x)
     assert packed.shape[0] == rows.view.num_rows
@@ -100,7 +109,7 @@ def _mixer(linear: str) -> torch.nn.Module:
 
 
 def _check_mixer(layout, linear: str, seed: int = 0):
-    view = TreeView(layout)
+    view = PackedTreeView(layout)
     rows = view.linear_rows()
     mixer = _mixer(linear)
     generator = torch.Generator().manual_seed(seed)

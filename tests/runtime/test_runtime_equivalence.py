@@ -211,13 +211,16 @@ def test_tokens_outside_the_vocabulary_name_the_trajectory():
         log_probs_baseline(model, batch)
 
 
+@pytest.mark.parametrize("packed_linear_rows", [False, True])
 @pytest.mark.parametrize("attention", ["mla", "gqa", "mha"])
-def test_attention_split_at_the_forks_matches_baseline(attention, monkeypatch):
+def test_attention_split_at_the_forks_matches_baseline(attention, packed_linear_rows, monkeypatch):
     """The full-attention layers on the cascade program (own rows in place, ancestor runs once per fork, merged
-    by log-sum-exp, with its own backward) hold the whole model to the baseline as the gathered views do."""
+    by log-sum-exp, with its own backward) hold the whole model to the baseline as the gathered views do; so do
+    the linear-attention layers on packed rows."""
     from harts.runtime.tree_view import TreeView
 
     monkeypatch.setattr(TreeView, "attention_program", "cascade_attention")
+    monkeypatch.setattr(TreeView, "pack_linear_rows", packed_linear_rows)
     for batch, chunk_size, groups in ((figure_batch(), 4, [[0, 2, 4, 5, 6], [1, 3]]), (nested_forks_batch(), 4, None)):
         compare(tiny_model("kda", attention), make_plan(batch, chunk_size, groups), batch, recompute=attention == "mla")
 
