@@ -898,25 +898,20 @@ def _measure_passes(run: _Run):
         model, run.device, args.warmup, args.repeats)
     results["harts"] = harts_result
     results["gradient_cosine"] = gradient_agreement(baseline_grads, model)
-    if args.packed_linear_rows:
-        packed_rows, _ = measure(
-            "harts, linear attention on packed rows",
-            lambda collect: harts_pass(model, run.bound, run.batch, run.kernels, run.num_trajectories, False,
-                                       view_type=PackedLinearRowsView),
+    # the A/Bs: the HARTS pass on another execution view of the same plan, in this process
+    variants = (("packed_linear_rows", PackedLinearRowsView, "linear attention on packed rows"),
+                ("cascade_attention", CascadeAttentionView, "attention split at the forks"))
+    for name, view_type, label in variants:
+        if not getattr(args, name):
+            continue
+        variant, _ = measure(
+            f"harts, {label}",
+            lambda collect, view_type=view_type: harts_pass(model, run.bound, run.batch, run.kernels,
+                                                            run.num_trajectories, False, view_type=view_type),
             model, run.device, args.warmup, args.repeats)
-        results["harts_packed_linear_rows"] = packed_rows
-        say(f"packed linear-attention rows: {packed_rows['mean_seconds']:.3f} s a pass against "
-            f"{harts_result['mean_seconds']:.3f} s on the compact rows "
-            f"({packed_rows['mean_seconds'] / harts_result['mean_seconds']:.3f}x)")
-    if args.cascade_attention:
-        cascade, _ = measure(
-            "harts, attention split at the forks",
-            lambda collect: harts_pass(model, run.bound, run.batch, run.kernels, run.num_trajectories, False,
-                                       view_type=CascadeAttentionView),
-            model, run.device, args.warmup, args.repeats)
-        results["harts_cascade_attention"] = cascade
-        say(f"attention split at the forks: {cascade['mean_seconds']:.3f} s a pass against "
-            f"{harts_result['mean_seconds']:.3f} s with gathered views ({cascade['mean_seconds'] / harts_result['mean_seconds']:.3f}x)")
+        results[f"harts_{name}"] = variant
+        say(f"{label}: {variant['mean_seconds']:.3f} s a pass against {harts_result['mean_seconds']:.3f} s "
+            f"({variant['mean_seconds'] / harts_result['mean_seconds']:.3f}x)")
     del baseline_grads
     plan_seconds, bind_seconds = results["plan"]["seconds"], results["plan"]["bind_seconds"]
     # the passes run on the plan bound once: the binding is charged to the core figure with the plan
