@@ -147,9 +147,7 @@ class Dispatch:
 
             if varlen.flash_parts_available(q, k, v):
                 return varlen
-        from .attention import naive as attention_naive
-
-        return attention_naive
+        return naive
 
     def attention_values(self, q, k, v):
         """``v`` zero-padded to the head dim :meth:`attention` computes with (unchanged where it pads nothing).

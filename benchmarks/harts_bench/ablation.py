@@ -35,7 +35,7 @@ from harts.ir.nodes import CompactTrie
 from harts.kernels.attention.tree_mask import layout_parents
 from harts.runtime.programs import RUNTIME_CACHE
 from harts.runtime.tree_view import TreeView
-from harts.runtime.view import BaselineView, SameRows
+from harts.runtime.view import BaselineView
 
 __all__ = [
     "CascadeAttentionView",
@@ -225,6 +225,9 @@ class NodeAtATimeView(TreeView):
         # Host tensors: the kernels read cu_seqlens on the host, so a device copy would cost a
         # device-to-host sync per call, an overhead the ablation should not be charged.
         self._cu_seqlens = [torch.tensor([0, size], dtype=torch.long) for size in self._sizes]
+
+    #: its linear attention runs per node on the compact rows, whatever TreeView's default
+    pack_linear_rows = False
 
     def __repr__(self) -> str:
         return f"NodeAtATimeView(microbatch={self.layout.microbatch}, rows={self.num_rows}, nodes={self.nodes.num_nodes})"

@@ -329,8 +329,14 @@ def attention_kv_rows(layout: MicrobatchLayout) -> tuple[np.ndarray, np.ndarray]
     return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)), offsets
 
 
-def build_attention_program(layout: MicrobatchLayout, kernels=None) -> torch.fx.GraphModule:
-    """Compact queries against gathered ancestor + own keys/values, bottom-right causal."""
+def build_attention_program(layout: MicrobatchLayout, kernels=None, *, split_at_forks: bool = False) -> torch.fx.GraphModule:
+    """Compact queries against gathered ancestor + own keys/values, bottom-right causal.
+
+    With ``split_at_forks`` (the ``cascade_attention`` program) the same attention runs split at the forks: own
+    rows causal on the compact q, k, v, the ancestor runs non-causal, merged by log-sum-exp
+    (:class:`CascadeAttention`). A layout whose sequences read only their own rows, or a kernel set without
+    ``attention_forward``, gets the gathered program either way.
+    """
     kernels = kernels or default_kernels()
     b = _ProgramBuilder()
     q = b.graph.placeholder("q")
@@ -338,47 +344,35 @@ def build_attention_program(layout: MicrobatchLayout, kernels=None) -> torch.fx.
     v = b.graph.placeholder("v")
     scale = b.graph.placeholder("scale")
     rows, kv_offsets = attention_kv_rows(layout)
+    own_rows_only = contiguous_span(rows) == (0, layout.num_rows)  # every sequence reads only its own rows
     values = v
-    if contiguous_span(rows) == (0, layout.num_rows):  # every sequence reads only its own rows
-        k_view, v_view = k, v
-    else:
+    if not own_rows_only and hasattr(kernels, "attention_values"):
         # a kernel that pads narrower values (MLA on FlashAttention) gets them padded on the compact rows,
-        # once, rather than on every row of the gathered view
-        if hasattr(kernels, "attention_values"):
-            values = b.call(kernels.attention_values, (q, k, v), name="kernel_values")
-        view = b.submodule("kv_view", RowGather(layout.num_rows, [rows]))
-        k_view = b.call(operator.getitem, (b.call_module(view, (k,), name="k_views"), 0), name="k_view")
-        v_view = b.call(operator.getitem, (b.call_module(view, (values,), name="v_views"), 0), name="v_view")
-    cu_q = b.buffer("cu_seqlens_q", layout.seq_row_start)
-    cu_k = b.buffer("cu_seqlens_k", kv_offsets)
-    o = b.call(kernels.attention, (q, k_view, v_view, cu_q, cu_k), {"scale": scale, "causal": True}, name="o")
+        # once, rather than on every row of the gathered view (or of the cascade's gathered runs)
+        values = b.call(kernels.attention_values, (q, k, v), name="kernel_values")
+    if split_at_forks and not own_rows_only and hasattr(kernels, "attention_forward"):
+        cascade = b.submodule("cascade", CascadeAttention(layout.num_rows, layout.seq_row_start, layout.ancestor_rows,
+                                                          layout.ancestor_offsets, kernels))
+        o = b.call_module(cascade, (q, k, values, scale), name="o")
+        class_name = "CascadeAttentionView"
+    else:
+        k_view, v_view = k, v
+        if not own_rows_only:
+            view = b.submodule("kv_view", RowGather(layout.num_rows, [rows]))
+            k_view = b.call(operator.getitem, (b.call_module(view, (k,), name="k_views"), 0), name="k_view")
+            v_view = b.call(operator.getitem, (b.call_module(view, (values,), name="v_views"), 0), name="v_view")
+        cu_q = b.buffer("cu_seqlens_q", layout.seq_row_start)
+        cu_k = b.buffer("cu_seqlens_k", kv_offsets)
+        o = b.call(kernels.attention, (q, k_view, v_view, cu_q, cu_k), {"scale": scale, "causal": True}, name="o")
+        class_name = "AttentionView"
     if values is not v:
         o = b.call(_value_columns, (o, v), name="o_values")
-    return b.finish(o, "AttentionView")
+    return b.finish(o, class_name)
 
 
 def build_cascade_attention_program(layout: MicrobatchLayout, kernels=None) -> torch.fx.GraphModule:
-    """The same attention as :func:`build_attention_program`, split at the forks: own rows causal on the compact
-    q, k, v, the ancestor runs non-causal, merged by log-sum-exp (:class:`CascadeAttention`). A layout whose
-    sequences read only their own rows, or a kernel set without ``attention_forward``, gets the plain program."""
-    kernels = kernels or default_kernels()
-    rows, _ = attention_kv_rows(layout)
-    if contiguous_span(rows) == (0, layout.num_rows) or not hasattr(kernels, "attention_forward"):
-        return build_attention_program(layout, kernels)
-    b = _ProgramBuilder()
-    q = b.graph.placeholder("q")
-    k = b.graph.placeholder("k")
-    v = b.graph.placeholder("v")
-    scale = b.graph.placeholder("scale")
-    values = v
-    if hasattr(kernels, "attention_values"):
-        values = b.call(kernels.attention_values, (q, k, v), name="kernel_values")
-    cascade = b.submodule("cascade", CascadeAttention(layout.num_rows, layout.seq_row_start, layout.ancestor_rows,
-                                                      layout.ancestor_offsets, kernels))
-    o = b.call_module(cascade, (q, k, values, scale), name="o")
-    if values is not v:
-        o = b.call(_value_columns, (o, v), name="o_values")
-    return b.finish(o, "CascadeAttentionView")
+    """:func:`build_attention_program` split at the forks."""
+    return build_attention_program(layout, kernels, split_at_forks=True)
 
 
 def _value_columns(o: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -473,8 +467,8 @@ def render_programs(layout: MicrobatchLayout, conv_width: int = 4) -> str:
         programs.insert(3, ("attention split at the forks (cascade_attention)", cascade))
     packed = linear_rows(layout)
     if packed["has_replay"]:
-        where = f"on the linear-attention layers' {packed['rows'].size} packed rows"
-        programs[:2] = [
+        where = f"on the linear-attention layers' {packed['rows'].size} packed rows (TreeView.pack_linear_rows)"
+        programs[2:2] = [
             (f"linear attention, {where}", build_packed_linear_attention_program(layout)),
             (f"causal convolution (width {conv_width}), {where}", build_packed_conv_program(layout, conv_width)),
         ]

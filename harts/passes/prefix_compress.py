@@ -110,20 +110,14 @@ def _sorted_by_keys(tokens: tuple[np.ndarray, ...]) -> tuple[list[int], list[int
     """:func:`sorted_order_and_lcp` by sorting byte keys: a copy of every trajectory, but no case it splits slowly.
 
     Token ids are below 2**32 (:data:`harts.rollouts.fields.MAX_TOKEN_ID`), so their big-endian 4-byte
-    strings compare as the arrays do. The LCPs compare those same bytes, read in place as 4-byte words
-    (equality needs no byte order), and stop at the first mismatch.
+    strings compare as the arrays do. The LCPs compare adjacent ranks' arrays (:func:`_first_difference`).
     """
     keys = [trajectory.astype(">u4").tobytes() for trajectory in tokens]
     order = sorted(range(len(tokens)), key=keys.__getitem__)  # sorted is stable: ties keep index order
     lcp = [0] * len(order)
-    previous = np.frombuffer(keys[order[0]], dtype=np.uint32) if order else None
     for rank in range(1, len(order)):
-        current = np.frombuffer(keys[order[rank]], dtype=np.uint32)
-        n = min(len(previous), len(current))
-        differs = previous[:n] != current[:n]
-        first = int(differs.argmax())
-        lcp[rank] = first if differs[first] else n
-        previous = current
+        previous, current = tokens[order[rank - 1]], tokens[order[rank]]
+        lcp[rank] = _first_difference(previous, current, 0, min(len(previous), len(current)))
     return order, lcp
 
 

@@ -117,11 +117,11 @@ class TreeView(_LayoutPrograms):
         """Where the linear-attention layers run: with :attr:`pack_linear_rows`, the packed rows of
         :func:`harts.codegen.fx.linear_rows` when a round replays rows; else these rows."""
         if self._linear_rows is None:
-            packed = None
+            self._linear_rows = SameRows(self)
             if self.pack_linear_rows:
                 packed = self.programs.get(self.layout, "linear_rows", lambda: linear_rows(self.layout))
-            has_replay = packed is not None and packed["has_replay"]
-            self._linear_rows = PackedRowsView(self, packed) if has_replay else SameRows(self)
+                if packed["has_replay"]:
+                    self._linear_rows = PackedRowsView(self, packed)
         return self._linear_rows
 
     #: the program the full-attention layers run: ``"attention"`` (one gathered key/value view per sequence)

@@ -36,6 +36,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..linear_attention.state import TRITON_AVAILABLE, interpreter_enabled, tl, triton
+from ..rows.naive import segment_sum_reference
 from ..rows.segment_sum import csr_by_row, segment_sum, segment_sum_available
 from . import naive
 
@@ -149,9 +150,7 @@ def _merge(o, lse, o_parts, lse_parts, offsets, positions):
 def _sum_into(base, grad, offsets, positions):
     """``base[r] += sum of grad[positions[offsets[r]:offsets[r+1]]]`` in one pass, into ``base``."""
     if segment_sum_available(grad) and base.is_contiguous():
-        return segment_sum(grad.contiguous(), offsets, positions, base.shape[0], base=base)
-    from ..rows.naive import segment_sum_reference
-
+        return segment_sum(grad, offsets, positions, base.shape[0], base=base)
     return segment_sum_reference(grad, offsets, positions, base.shape[0], base=base)
 
 
