@@ -191,6 +191,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="also time the HARTS pass with the full-attention layers split at the forks (own rows "
                              "in place, each shared ancestor run once per fork, merged by log-sum-exp; "
                              "harts_bench.ablation.CascadeAttentionView) against the gathered key/value views")
+    parser.add_argument("--recompute-linear-intermediates", action="store_true",
+                        help="also time the HARTS pass with the linear-attention backward recomputing w, u and the "
+                             "chunk states, as fla does, instead of keeping them from the checkpoint's recompute "
+                             "(ChunkGatedDeltaRule.keep_intermediates_in_recompute = False)")
     parser.add_argument("--sync-debug", action="store_true",
                         help="after the timed passes, count one HARTS pass's host-device synchronisations by source line")
     return parser.parse_args(argv)
@@ -912,6 +916,8 @@ def _measure_passes(run: _Run):
         results[f"harts_{name}"] = variant
         say(f"{label}: {variant['mean_seconds']:.3f} s a pass against {harts_result['mean_seconds']:.3f} s "
             f"({variant['mean_seconds'] / harts_result['mean_seconds']:.3f}x)")
+    if args.recompute_linear_intermediates:
+        _time_recomputed_linear_intermediates(run, harts_result)
     del baseline_grads
     plan_seconds, bind_seconds = results["plan"]["seconds"], results["plan"]["bind_seconds"]
     # the passes run on the plan bound once: the binding is charged to the core figure with the plan
@@ -922,6 +928,23 @@ def _measure_passes(run: _Run):
         results["mean_abs_logprob_delta"] = float(np.mean(deltas))
     results["loss_delta"] = abs(baseline_fla["loss"] - harts_result["loss"])
     return baseline_lp, harts_lp
+
+
+def _time_recomputed_linear_intermediates(run: _Run, harts_result: dict) -> None:
+    """The HARTS pass with the linear-attention backward recomputing what the checkpoint's recompute kept."""
+    from harts.kernels.linear_attention.chunk import ChunkGatedDeltaRule
+
+    ChunkGatedDeltaRule.keep_intermediates_in_recompute = False
+    try:
+        variant, _ = measure(
+            "harts, linear-attention intermediates recomputed in the backward",
+            lambda collect: harts_pass(run.model, run.bound, run.batch, run.kernels, run.num_trajectories, False),
+            run.model, run.device, run.args.warmup, run.args.repeats)
+    finally:
+        ChunkGatedDeltaRule.keep_intermediates_in_recompute = True
+    run.results["harts_recomputed_linear_intermediates"] = variant
+    say(f"linear-attention intermediates recomputed: {variant['mean_seconds']:.3f} s a pass against "
+        f"{harts_result['mean_seconds']:.3f} s kept ({variant['mean_seconds'] / harts_result['mean_seconds']:.3f}x)")
 
 
 def _measure_ablations(run: _Run, baseline_lp) -> None:

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from harts.errors import ModelInputError
+from harts.kernels.linear_attention.chunk import keep_backward_intermediates
 from harts.numerics import outside
 from harts.runtime.config import HybridConfig
 from harts.runtime.layers import (
@@ -93,13 +94,21 @@ class DecoderLayer(nn.Module):
         return x + update, stats
 
 
+def _checkpointed_block(layer, x: torch.Tensor, view, routed_experts):
+    # the checkpoint calls this in the block's first forward and again in its recompute, so the
+    # linear-attention calls keep their backward intermediates in both, which the checkpoint drops from
+    # the first and holds from the second for this block's backward only
+    with keep_backward_intermediates():
+        return layer(x, view, routed_experts)
+
+
 def run_blocks(layers, x: torch.Tensor, view, routed_experts, recompute: bool) -> tuple[torch.Tensor, list[MoEStats]]:
     """Run the decoder blocks in order on ``x``, each under activation checkpointing when ``recompute``
     and gradients are on; returns the output and the MoE blocks' statistics, in layer order."""
     per_layer = []
     for layer in layers:
         if recompute and torch.is_grad_enabled():
-            x, stats = checkpoint(layer, x, view, routed_experts, use_reentrant=False)
+            x, stats = checkpoint(_checkpointed_block, layer, x, view, routed_experts, use_reentrant=False)
         else:
             x, stats = layer(x, view, routed_experts)
         if stats is not None:

@@ -33,7 +33,9 @@ points fla at the configs shipped in ``kernels/fla_configs/<GPU>/`` (tuned on th
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -49,7 +51,8 @@ from .state import MAX_HEAD_DIM, scan_backward, scan_forward
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SUPPORTED_CHUNK_SIZES", "chunk_linear_attention", "configure_fla", "fla_available", "stock_chunk_kda"]
+__all__ = ["SUPPORTED_CHUNK_SIZES", "chunk_linear_attention", "configure_fla", "fla_available", "keep_backward_intermediates",
+           "stock_chunk_kda"]
 
 #: one list, the compiler's: a plan compiled with ``fast_kernels=True`` has one of these chunk sizes
 SUPPORTED_CHUNK_SIZES = FAST_KERNEL_CHUNK_SIZES
@@ -147,21 +150,59 @@ def _call_layout(bounds: np.ndarray, chunk_size: int, requests: list[tuple[int, 
     return layout
 
 
+class _Keeping(threading.local):
+    on = False
+
+
+_keeping = _Keeping()
+
+
+@contextlib.contextmanager
+def keep_backward_intermediates():
+    """Inside this context the chunk calls save w, u, q·g, k·g, the chunk states h and v_new for their
+    backward instead of recomputing them there.
+
+    Meant for the body of an activation-checkpointed region (non-reentrant or reentrant), entered by the
+    checkpointed function itself so that it holds in the recompute too: the region's first forward has
+    its saved tensors dropped by the checkpoint, and the recompute's are held only until the region's
+    backward, which then skips a w/u kernel and a state scan per call. Outside such a region it would
+    keep every layer's intermediates alive until the backward: several times the saved activations.
+    """
+    previous = _keeping.on
+    _keeping.on = True
+    try:
+        yield
+    finally:
+        _keeping.on = previous
+
+
 class ChunkGatedDeltaRule(torch.autograd.Function):
-    """(q, k, v, g, beta, initial_state) -> (o, final_state, exported); tensors [1, T, H, *]."""
+    """(q, k, v, g, beta, initial_state) -> (o, final_state, exported); tensors [1, T, H, *].
+
+    The backward needs w, u, q·g, k·g, the chunk states h and v_new. By default, like fla, a forward
+    saves only its inputs and the intra-chunk matrices and the backward recomputes the rest; inside
+    :func:`keep_backward_intermediates` the forward keeps them (fla's ``disable_recompute``). The kept
+    tensors are the ones the recompute gives, bit for bit: the same kernels on the same inputs.
+    ``keep_intermediates_in_recompute = False`` ignores the context (the A/B of ``harts-bench``).
+    """
+
+    keep_intermediates_in_recompute = True
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, layout: _CallLayout, scale: float, chunk_size: int):
         fla = _load_fla()
+        keep = ChunkGatedDeltaRule.keep_intermediates_in_recompute and _keeping.on
         common = {"cu_seqlens": layout.cu_seqlens, "chunk_size": chunk_size, "chunk_indices": layout.chunk_indices}
         g_cumsum = fla["chunk_local_cumsum"](g, scale=fla["rcp_ln2"], **common)
-        w, u, _, kg, Aqk, Akk = fla["fwd_intra"](q=q, k=k, v=v, gk=g_cumsum, beta=beta, scale=scale, **common)
+        w, u, qg, kg, Aqk, Akk = fla["fwd_intra"](q=q, k=k, v=v, gk=g_cumsum, beta=beta, scale=scale,
+                                                  disable_recompute=keep, **common)
         h, v_new, final_state, exported = scan_forward(
             kg[0], w[0], u[0], g_cumsum[0], initial_state, layout.cu_seqlens, layout.chunk_offsets,
             layout.chunk_export, layout.final_export, layout.num_exports, chunk_size, num_chunks=layout.num_chunks,
         )
         o = fla["fwd_o"](q=q, v=v_new.unsqueeze(0), g=g_cumsum, A=Aqk, h=h.unsqueeze(0), scale=scale, **common)
-        ctx.save_for_backward(q, k, v, g_cumsum, beta, Aqk, Akk, initial_state)
+        kept = (w, u, qg, kg, h, v_new) if keep else ()
+        ctx.save_for_backward(q, k, v, g_cumsum, beta, Aqk, Akk, initial_state, *kept)
         ctx.layout, ctx.scale, ctx.chunk_size = layout, scale, chunk_size
         ctx.set_materialize_grads(False)
         return o.to(q.dtype), final_state, exported
@@ -169,20 +210,22 @@ class ChunkGatedDeltaRule(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, d_final, d_exported):
         fla = _load_fla()
-        q, k, v, g, beta, Aqk, Akk, initial_state = ctx.saved_tensors
+        q, k, v, g, beta, Aqk, Akk, initial_state, *kept = ctx.saved_tensors
         layout, scale, chunk_size = ctx.layout, ctx.scale, ctx.chunk_size
         common = {"cu_seqlens": layout.cu_seqlens, "chunk_size": chunk_size, "chunk_indices": layout.chunk_indices}
         if do is None:
             do = torch.zeros_like(v)
         do = do.contiguous()
-        # recompute what the forward freed, as fla's chunk_kda does
-        w, u, qg, kg = fla["recompute_w_u"](
-            k=k, v=v, beta=beta, A=Akk, gk=g, q=q, cu_seqlens=layout.cu_seqlens, chunk_indices=layout.chunk_indices
-        )
-        h, v_new, _, _ = scan_forward(
-            kg[0], w[0], u[0], g[0], initial_state, layout.cu_seqlens, layout.chunk_offsets, None, None, 0, chunk_size,
-            num_chunks=layout.num_chunks,
-        )
+        if kept:
+            w, u, qg, kg, h, v_new = kept
+        else:
+            w, u, qg, kg = fla["recompute_w_u"](
+                k=k, v=v, beta=beta, A=Akk, gk=g, q=q, cu_seqlens=layout.cu_seqlens, chunk_indices=layout.chunk_indices
+            )
+            h, v_new, _, _ = scan_forward(
+                kg[0], w[0], u[0], g[0], initial_state, layout.cu_seqlens, layout.chunk_offsets, None, None, 0,
+                chunk_size, num_chunks=layout.num_chunks,
+            )
         v_new = v_new.unsqueeze(0)
         dAqk, dv = fla["bwd_dAv"](q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, **common)
         dh, dh0, dv = scan_backward(

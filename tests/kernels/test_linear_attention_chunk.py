@@ -179,3 +179,61 @@ def test_the_forward_pass_is_batch_invariant(gate):
             )
             assert torch.equal(packed[lo:hi], alone), i
             assert torch.equal(finals[i : i + 1], final), i
+
+
+def _call_under_checkpoint(inputs, cu, exports, keep: bool):
+    def body(*tensors):
+        if keep:
+            with chunk.keep_backward_intermediates():
+                return chunk.chunk_linear_attention(*tensors[:5], cu, chunk_size=CHUNK, scale=KEY_DIM**-0.5,
+                                                    initial_state=tensors[5], export_chunks=exports)
+        return chunk.chunk_linear_attention(*tensors[:5], cu, chunk_size=CHUNK, scale=KEY_DIM**-0.5,
+                                            initial_state=tensors[5], export_chunks=exports)
+
+    return torch.utils.checkpoint.checkpoint(body, *inputs, use_reentrant=False)
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_kept_intermediates_give_the_recomputed_gradients_bit_for_bit(gate):
+    """Under activation checkpointing, a call that keeps w, u, q·g, k·g, h and v_new from its recompute
+    returns the outputs and gradients of the call that recomputes them in its backward, exactly."""
+    lengths = [63, 64, 65, 300, 129]
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    cu = torch.as_tensor(bounds, device=DEVICE)
+    exports = [[1], [1], [1, 2], [1, 3, 5], [2, 3]]
+    inputs = random_inputs(int(bounds[-1]), gate, torch.bfloat16, seed=11, sequences=len(lengths))
+    results = {}
+    for keep in (False, True):
+        outputs = _call_under_checkpoint(inputs, cu, exports, keep)
+        weights = [torch.randn(t.shape, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(i))
+                   for i, t in enumerate(outputs)]
+        grads = torch.autograd.grad(sum((o.float() * w).sum() for o, w in zip(outputs, weights)), inputs)
+        results[keep] = ([o.detach() for o in outputs], grads)
+    for name, a, b in zip(("o", "final", "exported"), results[False][0], results[True][0]):
+        assert torch.equal(a, b), name
+    for name, a, b in zip(("q", "k", "v", "log_decay", "beta", "initial_state"), results[False][1], results[True][1]):
+        assert torch.equal(a, b), name
+
+
+def test_the_context_decides_what_the_forward_saves():
+    """Outside ``keep_backward_intermediates`` a call saves what fla's default saves; inside it, six more
+    tensors (w, u, q·g, k·g, h, v_new); with the switch off it ignores the context."""
+    lengths = [100, 200]
+    cu = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), device=DEVICE)
+    inputs = random_inputs(sum(lengths), "kda", torch.bfloat16, seed=5, sequences=len(lengths))
+
+    def saved_count() -> int:
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+            chunk.chunk_linear_attention(*inputs[:5], cu, chunk_size=CHUNK, scale=KEY_DIM**-0.5, initial_state=inputs[5])
+        return len(packed)
+
+    plain = saved_count()
+    with chunk.keep_backward_intermediates():
+        kept = saved_count()
+        chunk.ChunkGatedDeltaRule.keep_intermediates_in_recompute = False
+        try:
+            switched_off = saved_count()
+        finally:
+            chunk.ChunkGatedDeltaRule.keep_intermediates_in_recompute = True
+    assert kept == plain + 6 and switched_off == plain

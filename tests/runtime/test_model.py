@@ -120,6 +120,32 @@ def test_recompute_gives_same_outputs_and_parameter_gradients(combination):
         torch.testing.assert_close(grads_recomputed[name], grad, rtol=1e-12, atol=1e-13, msg=name)
 
 
+def test_checkpointed_blocks_keep_linear_attention_intermediates_in_both_forwards():
+    """Under recompute each block's linear-attention calls run inside ``keep_backward_intermediates``, in
+    its first forward and in its recompute (the checkpoint drops what the first saves); without recompute
+    they do not, so an unchecked pass does not hold every layer's intermediates."""
+    from harts.kernels.linear_attention import chunk
+
+    class RecordingView(BaselineView):
+        def linear_attention(self, *args, **kwargs):
+            seen.append((chunk._keeping.on, torch._C._current_graph_task_id() != -1))
+            return super().linear_attention(*args, **kwargs)
+
+    model = _model("kda", "mla", "moe")
+    lengths = [17, 9]
+    ids = _tokens(lengths, model.config.vocab_size, seed=5)
+    linear_layers = sum(kind == "linear" for kind in model.config.layer_types)
+    for recompute in (True, False):
+        seen = []
+        hidden, _ = model.forward_hidden(ids, RecordingView(lengths, CHUNK), recompute=recompute)
+        hidden.sum().backward()
+        if recompute:
+            assert sorted(seen) == [(True, False)] * linear_layers + [(True, True)] * linear_layers
+        else:
+            assert seen == [(False, False)] * linear_layers
+    assert not chunk._keeping.on
+
+
 @pytest.mark.parametrize("linear,attention,ffn", COMBINATIONS)
 def test_every_variant_builds_runs_and_trains(linear, attention, ffn):
     model = _model(linear, attention, ffn, dtype="float32")
