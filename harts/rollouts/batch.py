@@ -76,9 +76,9 @@ def _update_with_tokens(digest, tokens: Sequence[np.ndarray]) -> None:
     :data:`_HASH_RUN_BYTES`. Why: ``harts.compile`` hashes in a worker thread while the main thread builds the
     trie and plans, and the worker must retake the GIL after each update it releases it for; one update per
     trajectory made it wait on the main thread's Python thousands of times (on the agentic bench shape the
-    hash took 0.4-0.5 s beside the trie build against 0.3 s alone), a run of megabytes a few dozen times.
-    ``bytes.join`` copies a large run with the GIL released, and a run of a few megabytes stays in cache
-    for the hash that reads it next.
+    hash and the trie build side by side took 0.41-0.46 s, 0.34-0.39 s with these runs; the hash alone,
+    0.3 s), a run of megabytes a few dozen times. ``bytes.join`` copies a large run with the GIL released;
+    runs of 32 MB were slower (0.67 s), each a fresh mapping whose pages fault in as the join writes them.
     """
     pieces: list = []
     size = 0
