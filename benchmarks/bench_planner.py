@@ -282,8 +282,8 @@ def render_shapes(result: dict) -> str:
                  "verifier, the plan in memory; the best of the repeats, wall, and the CPU time of that run), against the "
                  f"{COMPILE_TARGET_SECONDS:g} s target (issue 27), without verification (best of the repeats), and each "
                  "pass's time in the best verified run (" + " / ".join(harts_pipeline()) + "; harts.compile hashes the batch in a "
-                 "worker thread while it builds the compact trie, before the first pass, so lower and prefix-compress show "
-                 "little of that time).")
+                 "worker thread while it builds the compact trie and runs the microbatch planner on it, before the first pass, "
+                 "so lower, prefix-compress and partition-microbatches show little of that time).")
     lines.append("")
     lines.append("| Shape | Paths | Raw tokens | G | Plan (s) | Plan CPU (s) | beyond-paper stages (s) | Work recut / pieces / exchange / balance "
                  "(budget each) | harts.compile (s) | target 1 s | compile CPU (s) | unverified (s) | passes (s) | J1 HARTS (paper's stages) | J2 HARTS (paper's stages) | paper's stages plan (s) |")

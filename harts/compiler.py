@@ -43,30 +43,51 @@ def complete_pipeline(passes: Sequence[Pass]) -> list[Pass]:
     return passes
 
 
-def _hash_while_building_trie(batch: RolloutBatch, passes: Sequence[Pass]) -> CompactTrie | None:
+def _prepare_while_hashing(batch: RolloutBatch, passes: Sequence[Pass],
+                           options: CompileOptions) -> tuple[CompactTrie | None, tuple | None]:
     """Hash the batch (what ``lower`` records) in a worker thread while this thread builds the compact trie
-    that ``prefix-compress`` will need; None (nothing built) when the pipeline does not compress.
+    that ``prefix-compress`` will need and runs the microbatch planner on it for ``partition-microbatches``:
+    ``(trie, (trie, lengths, planner options, result))``, None for what the pipeline does not run.
 
-    Both read every token of the batch and neither needs the other, and hashlib releases the GIL while it
-    hashes a large buffer, so on two cores the hash (a quarter of a second for a batch of 440 MB) overlaps
-    the trie build. The overlap is not free: each trajectory the worker hashes retakes the GIL from the
-    builder, so on the agentic bench shape the two together took 0.46-0.63 s against 0.52 s one after
-    the other on our 2-core CI machine (noisy); it pays where the build takes longer than the hash. The hash is the same SHA-256 (:meth:`RolloutBatch.input_hash`), cached on the batch as ever:
-    ``lower`` reads it once the worker is joined here. A batch whose trie cannot be built is left to
-    ``prefix-compress``, which raises with the pipeline's context.
+    Neither needs the hash, and hashlib releases the GIL while it hashes a large buffer, so on two cores
+    the hash (a third of a second for a batch of 440 MB) runs beside them. The trie alone was shorter than
+    the hash on the agentic bench shape (0.15 s), leaving this thread idle for the rest; the planner is a
+    pure function of the trie, the trajectory lengths and its options, so running it here moves that wait
+    off the compile (``PassContext.prepared_plan`` hands the result to the pass only for exactly those
+    inputs): the shape's verified compile went from 1.04-1.17 s to 0.86-0.93 s (best of 7, alternating
+    processes, our 2-core CI machine). The worker retakes the GIL from the planner's Python only a few
+    dozen times, once per run of trajectories it hashes (``harts.rollouts.batch._update_with_tokens``). The hash is the same SHA-256 (:meth:`RolloutBatch.input_hash`), cached on the batch as ever:
+    ``lower`` reads it once the worker is joined here. A batch whose trie or plan cannot be built is left
+    to the passes, which raise with the pipeline's context.
     """
     if not any(getattr(step, "name", None) == "prefix-compress" for step in passes):
-        return None
+        return None, None
     from harts.passes.prefix_compress import build_compact_trie  # the pass's module loads when a pipeline names it
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="harts-hash") as worker:
         hashed = worker.submit(batch.input_hash)
+        trie = plan = None
         try:
             trie = build_compact_trie(batch.tokens)
+            plan = _plan_beforehand(trie, batch, passes, options)
         except HartsError:
-            trie = None
+            pass
         hashed.result()
-    return trie
+    return trie, plan
+
+
+def _plan_beforehand(trie: CompactTrie, batch: RolloutBatch, passes: Sequence[Pass], options: CompileOptions) -> tuple | None:
+    """The planner's result for the first ``partition-microbatches`` step, for ``PassContext.batch_plan``."""
+    from harts.ir.prefix_index import PrefixIndex
+    from harts.passes.partition_microbatches import PartitionMicrobatches
+    from harts.planner import choose_microbatches
+
+    step = next((step for step in passes if isinstance(step, PartitionMicrobatches)), None)
+    if step is None:
+        return None
+    lengths = tuple(len(tokens) for tokens in batch.tokens)
+    planner_options = step.planner_options(options.capacity, options.dp_size)
+    return trie, lengths, planner_options, choose_microbatches(PrefixIndex.from_trie(trie, list(lengths)), planner_options)
 
 
 @contextlib.contextmanager
@@ -150,10 +171,10 @@ def _compile(batch: RolloutBatch, options: CompileOptions, passes: list[Pass], p
     """:func:`compile` once its arguments are checked."""
     started = time.perf_counter()
     starts_from_batch = bool(passes) and passes[0].requires is None
-    batch_trie = _hash_while_building_trie(batch, passes)
+    batch_trie, batch_plan = _prepare_while_hashing(batch, passes, options)
     module = None if starts_from_batch else lower_batch(batch, options)
     progress_bar, report = _progress_reporter(progress)
-    ctx = PassContext(batch=batch, options=options, progress=report, batch_trie=batch_trie)
+    ctx = PassContext(batch=batch, options=options, progress=report, batch_trie=batch_trie, batch_plan=batch_plan)
     if progress_bar is not None:
         with progress_bar:
             result = run_pipeline(module, passes, ctx, verify_each=verify_each, instruments=all_instruments)

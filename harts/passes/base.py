@@ -118,12 +118,27 @@ class PassContext:
     ``batch_trie``: the compact trie of ``batch.tokens``, when it was built before the pipeline ran
     (``harts.compile`` builds it while the batch hashes in another thread); ``prefix-compress``
     takes it instead of building the same trie again.
+
+    ``batch_plan``: ``(trie, lengths, planner options, result)`` of the microbatch planner, when
+    ``harts.compile`` ran it on ``batch_trie`` while the hash went on; ``partition-microbatches``
+    takes the result only for that very trie object, those trajectory lengths and equal options,
+    the whole of what the planner reads (:meth:`prepared_plan`).
     """
 
     batch: RolloutBatch | None = None
     options: CompileOptions = DEFAULT_OPTIONS
     progress: Callable[[str, float], None] | None = None
     batch_trie: CompactTrie | None = None
+    batch_plan: tuple | None = None
+
+    def prepared_plan(self, trie: CompactTrie | None, lengths: tuple[int, ...], options) -> Any:
+        """The planner's result prepared for exactly these inputs (see ``batch_plan``), else None."""
+        if self.batch_plan is None or trie is None:
+            return None
+        prepared_trie, prepared_lengths, prepared_options, result = self.batch_plan
+        if prepared_trie is trie and prepared_lengths == lengths and prepared_options == options:
+            return result
+        return None
 
     def report(self, what: str, fraction: float) -> None:
         if self.progress is not None:

@@ -35,21 +35,24 @@ class PartitionMicrobatches(Pass):
     #: subtree exchange of the best candidate (harts.planner.exchange); only lowers compact work
     exchange: bool = option(True)
 
-    def run(self, module: Module, ctx: PassContext) -> Module:
-        index = PrefixIndex.from_module(module)
-        result = choose_microbatches(
-            index,
-            PlannerOptions(
-                capacity=module.capacity,
-                dp_size=module.dp_size,
-                exact_threshold=self.exact_threshold,
-                sample_budget=self.sample_budget,
-                refine=self.refine,
-                greedy=self.greedy,
-                balance=self.balance,
-                exchange=self.exchange,
-            ),
+    def planner_options(self, capacity: int, dp_size: int) -> PlannerOptions:
+        return PlannerOptions(
+            capacity=capacity,
+            dp_size=dp_size,
+            exact_threshold=self.exact_threshold,
+            sample_budget=self.sample_budget,
+            refine=self.refine,
+            greedy=self.greedy,
+            balance=self.balance,
+            exchange=self.exchange,
         )
+
+    def run(self, module: Module, ctx: PassContext) -> Module:
+        lengths = tuple(trajectory.length for trajectory in module.trajectories)
+        options = self.planner_options(module.capacity, module.dp_size)
+        result = ctx.prepared_plan(module.trie, lengths, options)
+        if result is None:
+            result = choose_microbatches(PrefixIndex.from_module(module), options)
         ctx.report("partition-microbatches", 1.0)
         microbatches = tuple(
             Microbatch(index=position, trajectories=members, work=work)

@@ -405,3 +405,29 @@ def test_batch_hashes_are_sha256_over_the_bytes_of_each_array():
             digest.update(f"trajectory:{name}:{values.dtype}".encode())
             digest.update(np.ascontiguousarray(values).tobytes())
         assert value == "sha256:" + digest.hexdigest()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.integers(0, 40), max_size=30), run_bytes=st.integers(1, 400), seed=st.integers(0, 2**16))
+def test_tokens_hashed_in_joined_runs_give_the_digest_of_one_update_per_piece(lengths, run_bytes, seed, monkeypatch):
+    """The input hash hands the digest runs of joined trajectories (few GIL handoffs for the worker that hashes
+    beside the trie build): for any run size, with trajectories shorter, as long as and longer than a run, and
+    arrays that are views or of another dtype, the digest is that of a length and the ``<i8`` bytes per trajectory.
+    (The run size is only read, so patching it for the whole test is what each example needs.)"""
+    import hashlib
+
+    from harts.rollouts import batch as batch_module
+
+    rng = np.random.default_rng(seed)
+    tokens = []
+    for position, length in enumerate(lengths):
+        values = rng.integers(0, 2**31, size=2 * length)
+        tokens.append(values[::2] if position % 3 == 0 else values[:length].astype(np.int32) if position % 3 == 1 else values[:length])
+    monkeypatch.setattr(batch_module, "_HASH_RUN_BYTES", run_bytes)
+    joined = hashlib.sha256()
+    batch_module._update_with_tokens(joined, tokens)
+    expected = hashlib.sha256()
+    for trajectory in tokens:
+        expected.update(len(trajectory).to_bytes(8, "little"))
+        expected.update(np.asarray(trajectory).astype("<i8").tobytes())
+    assert joined.hexdigest() == expected.hexdigest()

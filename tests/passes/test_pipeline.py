@@ -156,9 +156,10 @@ def test_bad_compile_options_are_named():
 
 @settings(max_examples=20, deadline=None)
 @given(trajectories=token_trees(chunk_size=4, max_trajectories=10, max_length=30), tight=st.booleans())
-def test_compile_hashing_beside_the_trie_gives_the_plan_of_the_passes_run_one_by_one(trajectories, tight):
-    """harts.compile hashes the batch in a worker thread while it builds the trie prefix-compress takes from the
-    context: the plan (every stage, the input hash included) is the one the passes build on their own."""
+def test_compile_hashing_beside_the_trie_and_planner_gives_the_plan_of_the_passes_run_one_by_one(trajectories, tight):
+    """harts.compile hashes the batch in a worker thread while it builds the trie prefix-compress and runs the
+    planner partition-microbatches take from the context: the plan (every stage, the input hash included) is the
+    one the passes build on their own."""
     # the longest trajectory's length: every trajectory fits alone, so a plan exists, of several microbatches
     capacity, dp_size = (max(len(t) for t in trajectories), 1) if tight else (1 << 20, 2 if len(trajectories) > 1 else 1)
     batch = harts.RolloutBatch.from_trajectories(trajectories)
@@ -169,6 +170,39 @@ def test_compile_hashing_beside_the_trie_gives_the_plan_of_the_passes_run_one_by
     assert plan.module.input_hash == fresh.input_hash() == batch.input_hash()
     assert plan.module == one_by_one.module
     assert plan.layouts == one_by_one.layouts
+
+
+@pytest.mark.parametrize("partition", ["partition-microbatches", "partition-microbatches{refine=false,balance=false,exchange=false}",
+                                       "partition-microbatches{greedy=false,exact_threshold=1}"])
+def test_compile_plans_beside_the_hash_with_the_pipelines_own_partition_options(partition):
+    """The planner run before the pipeline takes the options of the pipeline's partition-microbatches step, so a
+    compile with non-default ones gives the plan of the passes run one by one (which plan for themselves)."""
+    trajectories = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7], [1, 2, 8, 9, 9, 9, 9], [5, 5, 5], [5, 5, 6, 6, 6, 6, 6], [1, 2, 3, 4, 5, 6]]
+    text = f"lower,prefix-compress,{partition},schedule-slots,segment,min-call-rounds"
+    options = harts.CompileOptions(capacity=12, dp_size=2, chunk_size=2)
+    plan = harts.compile(harts.RolloutBatch.from_trajectories(trajectories), capacity=12, dp_size=2, chunk_size=2, pipeline=text)
+    one_by_one = run_pipeline(None, parse_pipeline(text) + [harts.passes.lay_out.LayOut()],
+                              PassContext(batch=harts.RolloutBatch.from_trajectories(trajectories), options=options))
+    assert plan.module == one_by_one.module
+    assert plan.layouts == one_by_one.layouts
+
+
+def test_a_prepared_plan_is_taken_only_for_the_inputs_it_was_planned_for():
+    """PassContext.prepared_plan answers for the very trie object, equal lengths and equal planner options, and
+    nothing else: a pass between prefix-compress and partition-microbatches that rebuilt the trie, other
+    trajectories or other options make the pass plan afresh."""
+    from harts.passes.prefix_compress import build_compact_trie
+    from harts.planner import PlannerOptions
+
+    tokens = harts.RolloutBatch.from_trajectories([[1, 2, 3], [1, 2, 4, 5]]).tokens
+    trie, lengths, options, result = build_compact_trie(tokens), (3, 4), PlannerOptions(capacity=8, dp_size=1), object()
+    ctx = PassContext(batch_plan=(trie, lengths, options, result))
+    assert ctx.prepared_plan(trie, lengths, PlannerOptions(capacity=8, dp_size=1)) is result
+    assert ctx.prepared_plan(build_compact_trie(tokens), lengths, options) is None  # an equal trie, another object
+    assert ctx.prepared_plan(trie, (3, 5), options) is None
+    assert ctx.prepared_plan(trie, lengths, PlannerOptions(capacity=8, dp_size=1, refine=False)) is None
+    assert ctx.prepared_plan(None, lengths, options) is None
+    assert PassContext().prepared_plan(trie, lengths, options) is None
 
 
 @pytest.mark.parametrize("collector_on", [True, False])
