@@ -9,6 +9,8 @@ forward pass (a sequence packed with others gives the outputs it gives alone).
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -183,12 +185,9 @@ def test_the_forward_pass_is_batch_invariant(gate):
 
 def _call_under_checkpoint(inputs, cu, exports, keep: bool):
     def body(*tensors):
-        if keep:
-            with chunk.keep_backward_intermediates():
-                return chunk.chunk_linear_attention(*tensors[:5], cu, chunk_size=CHUNK, scale=KEY_DIM**-0.5,
-                                                    initial_state=tensors[5], export_chunks=exports)
-        return chunk.chunk_linear_attention(*tensors[:5], cu, chunk_size=CHUNK, scale=KEY_DIM**-0.5,
-                                            initial_state=tensors[5], export_chunks=exports)
+        with chunk.keep_backward_intermediates() if keep else contextlib.nullcontext():
+            return chunk.chunk_linear_attention(*tensors[:5], cu, chunk_size=CHUNK, scale=KEY_DIM**-0.5,
+                                                initial_state=tensors[5], export_chunks=exports)
 
     return torch.utils.checkpoint.checkpoint(body, *inputs, use_reentrant=False)
 
