@@ -14,6 +14,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from harts.kernels.linear_attention import chunk, naive
 
@@ -189,7 +190,7 @@ def _call_under_checkpoint(inputs, cu, exports, keep: bool):
             return chunk.chunk_linear_attention(*tensors[:5], cu, chunk_size=CHUNK, scale=KEY_DIM**-0.5,
                                                 initial_state=tensors[5], export_chunks=exports)
 
-    return torch.utils.checkpoint.checkpoint(body, *inputs, use_reentrant=False)
+    return checkpoint(body, *inputs, use_reentrant=False)
 
 
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
