@@ -69,6 +69,7 @@ stock fla against HARTS' call without exports, and with the exports of the plan'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -903,21 +904,23 @@ def _measure_passes(run: _Run):
     results["harts"] = harts_result
     results["gradient_cosine"] = gradient_agreement(baseline_grads, model)
     # the A/Bs: the HARTS pass on another execution view of the same plan, in this process
-    variants = (("packed_linear_rows", PackedLinearRowsView, "linear attention on packed rows"),
-                ("cascade_attention", CascadeAttentionView, "attention split at the forks"))
-    for name, view_type, label in variants:
+    # (flag, execution view, context the passes run in, label)
+    variants = (("packed_linear_rows", PackedLinearRowsView, contextlib.nullcontext, "linear attention on packed rows"),
+                ("cascade_attention", CascadeAttentionView, contextlib.nullcontext, "attention split at the forks"),
+                ("recompute_linear_intermediates", TreeView, _linear_intermediates_recomputed,
+                 "linear-attention intermediates recomputed in the backward"))
+    for name, view_type, context, label in variants:
         if not getattr(args, name):
             continue
-        variant, _ = measure(
-            f"harts, {label}",
-            lambda collect, view_type=view_type: harts_pass(model, run.bound, run.batch, run.kernels,
-                                                            run.num_trajectories, False, view_type=view_type),
-            model, run.device, args.warmup, args.repeats)
+        with context():
+            variant, _ = measure(
+                f"harts, {label}",
+                lambda collect, view_type=view_type: harts_pass(model, run.bound, run.batch, run.kernels,
+                                                                run.num_trajectories, False, view_type=view_type),
+                model, run.device, args.warmup, args.repeats)
         results[f"harts_{name}"] = variant
         say(f"{label}: {variant['mean_seconds']:.3f} s a pass against {harts_result['mean_seconds']:.3f} s "
             f"({variant['mean_seconds'] / harts_result['mean_seconds']:.3f}x)")
-    if args.recompute_linear_intermediates:
-        _time_recomputed_linear_intermediates(run, harts_result)
     del baseline_grads
     plan_seconds, bind_seconds = results["plan"]["seconds"], results["plan"]["bind_seconds"]
     # the passes run on the plan bound once: the binding is charged to the core figure with the plan
@@ -930,21 +933,14 @@ def _measure_passes(run: _Run):
     return baseline_lp, harts_lp
 
 
-def _time_recomputed_linear_intermediates(run: _Run, harts_result: dict) -> None:
-    """The HARTS pass with the linear-attention backward recomputing what the checkpoint's recompute kept."""
-    from harts.kernels.linear_attention.chunk import ChunkGatedDeltaRule
-
-    ChunkGatedDeltaRule.keep_intermediates_in_recompute = False
+@contextlib.contextmanager
+def _linear_intermediates_recomputed():
+    """The linear-attention backward recomputing what the checkpoint's recompute would keep (fla's default)."""
+    fla_chunk.ChunkGatedDeltaRule.keep_intermediates_in_recompute = False
     try:
-        variant, _ = measure(
-            "harts, linear-attention intermediates recomputed in the backward",
-            lambda collect: harts_pass(run.model, run.bound, run.batch, run.kernels, run.num_trajectories, False),
-            run.model, run.device, run.args.warmup, run.args.repeats)
+        yield
     finally:
-        ChunkGatedDeltaRule.keep_intermediates_in_recompute = True
-    run.results["harts_recomputed_linear_intermediates"] = variant
-    say(f"linear-attention intermediates recomputed: {variant['mean_seconds']:.3f} s a pass against "
-        f"{harts_result['mean_seconds']:.3f} s kept ({variant['mean_seconds'] / harts_result['mean_seconds']:.3f}x)")
+        fla_chunk.ChunkGatedDeltaRule.keep_intermediates_in_recompute = True
 
 
 def _measure_ablations(run: _Run, baseline_lp) -> None:
