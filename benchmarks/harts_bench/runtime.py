@@ -184,6 +184,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--train-step", action="store_true",
                         help="also time harts.train.Trainer.step (what `harts train` runs) in both modes on the same "
                              "model, plan and batch, and print the headline-train line")
+    parser.add_argument("--train-step-optimizer", choices=("adamw", "sgd"), default="adamw",
+                        help="the training step's optimizer, at learning rate 0: adamw (what `harts train` runs) or "
+                             "sgd without momentum, which keeps no state, so that the step fits beside the pass on a "
+                             "card too small for AdamW's two moments (a 7.8B model on 80 GB); F/B/Grad is timed before "
+                             "the optimizer runs either way")
     parser.add_argument("--packed-linear-rows", action="store_true",
                         help="also time the HARTS pass with the linear-attention layers on the packed rows (hidden rows "
                              "gathered into round order once; harts_bench.ablation.PackedLinearRowsView) against the "
@@ -1035,7 +1040,8 @@ def _time_train_steps(run: _Run) -> None:
     say("the training step (harts.train.Trainer.step, as `harts train` runs it) in both modes ...")
     run.results["train_step"] = train_step_figures(run.model, run.plan, run.batch, kernels=run.kernels,
                                                    baseline_kernels=run.stock, warmup=run.args.warmup,
-                                                   repeats=run.args.repeats, say=say)
+                                                   repeats=run.args.repeats, say=say,
+                                                   optimizer=run.args.train_step_optimizer)
     write_results(run.args.out, run.results)
     print(headline_train_line(run.results), flush=True)
 

@@ -43,18 +43,28 @@ def _timed_steps(trainer: Trainer, batch, plan, mode: str, warmup: int, repeats:
     }
 
 
-def train_step_figures(model, plan, batch, *, kernels, baseline_kernels, warmup: int, repeats: int, say) -> dict:
+def train_step_figures(model, plan, batch, *, kernels, baseline_kernels, warmup: int, repeats: int, say,
+                       optimizer: str = "adamw") -> dict:
     """``Trainer.step`` in both modes on the benchmark's model, plan and batch.
 
-    The optimizer is AdamW at learning rate 0, so the weights the rest of the benchmark measures
-    do not move; its state update still runs, as in a real step.
+    The optimizer runs at learning rate 0, so the parameters the rest of the benchmark measures
+    do not move; its update still runs, as in a real step (the routers' expert biases, which the
+    step's load balancing moves, are not the optimizer's). ``optimizer="sgd"`` (no momentum)
+    keeps no per-parameter state: the step then needs the memory of the weights and their
+    gradients only, not AdamW's two moments beside them.
     """
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    if optimizer == "adamw":
+        step_optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    elif optimizer == "sgd":
+        step_optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    else:
+        raise ValueError(f"train-step optimizer must be adamw or sgd, got {optimizer!r}")
     figures = {}
     for mode, step_kernels in (("harts", kernels), ("baseline", baseline_kernels)):
-        trainer = Trainer(model, optimizer, TRAIN_STEP_CONFIG, kernels=step_kernels)
+        trainer = Trainer(model, step_optimizer, TRAIN_STEP_CONFIG, kernels=step_kernels)
         figures[mode] = _timed_steps(trainer, batch, plan, mode, warmup, repeats, say)
     model.zero_grad(set_to_none=True)
+    figures["optimizer"] = optimizer
     return figures
 
 
