@@ -119,7 +119,10 @@ def _place_lane(order: list[int], max_shared: bool, capacity: int, lengths: list
                 firsts: list[int], run_rows: _RunRows, most_half_full: int) -> tuple[list[int], list[int]] | None:
     """One lane of the lockstep greedy (:func:`harts.planner.greedy.place_all`): best-fit takes the feasible
     column heaviest after insertion, max-shared the one sharing most, then heaviest; ties to the lowest column.
-    None as soon as more than ``most_half_full`` columns hold more than half the capacity."""
+    None as soon as more than ``most_half_full`` columns hold more than half the capacity.
+
+    The loop runs once per trajectory per lane, so the ranking keys are compared field by field instead of as
+    tuples built per candidate, and a run's cached LCP rows are read from the dict directly."""
     half_full = 0
     labels = [-1] * len(lengths)
     works: list[int] = []
@@ -127,6 +130,7 @@ def _place_lane(order: list[int], max_shared: bool, capacity: int, lengths: list
     # per run: the placed members' offsets in the run and their columns
     placed_offsets: list[list[int]] = [[] for _ in range(run_of[-1])]
     placed_columns: list[list[int]] = [[] for _ in range(run_of[-1])]
+    cached_rows = run_rows.rows
     for x in order:
         length, run = lengths[x], run_of[x] - 1
         offsets, columns = placed_offsets[run], placed_columns[run]
@@ -135,17 +139,24 @@ def _place_lane(order: list[int], max_shared: bool, capacity: int, lengths: list
         # only the floor either, so the bisection below never returns it: it is left out
         shared: dict[int, int] = {}
         if offsets:
-            row, slack = run_rows(x), capacity - length
+            row = cached_rows.get(x)
+            if row is None:
+                row = run_rows(x)
+            slack = capacity - length
             for offset, column in zip(offsets, columns):
                 tokens = row[offset]
                 if tokens + slack >= works[column] and tokens > shared.get(column, -1):
                     shared[column] = tokens
-        choice, best = -1, None
+        # the best so far ranks by (tokens, after, -column) under max-shared, by (after, -column) under best-fit
+        choice = best_tokens = best_after = -1
         for column, tokens in shared.items():
             after = works[column] + length - tokens
-            rank_key = (tokens, after, -column) if max_shared else (after, -column)
-            if best is None or rank_key > best:
-                choice, best = column, rank_key
+            if max_shared and tokens != best_tokens:
+                better = tokens > best_tokens
+            else:
+                better = after > best_after or (after == best_after and column < choice)
+            if better:
+                choice, best_tokens, best_after = column, tokens, after
         if choice < 0 or not max_shared:
             # the heaviest column sharing only the floor that still fits; skip those of the run (evaluated above)
             position = bisect_right(keys, ((capacity - length + floor) << _COLUMN_BITS) | _COLUMN_MASK) - 1
@@ -154,7 +165,7 @@ def _place_lane(order: list[int], max_shared: bool, capacity: int, lengths: list
             if position >= 0:
                 column = _COLUMN_MASK - (keys[position] & _COLUMN_MASK)
                 after = (keys[position] >> _COLUMN_BITS) + length - floor
-                if best is None or (after, -column) > best:
+                if choice < 0 or after > best_after or (after == best_after and column < choice):
                     choice = column
         was_half_full = False
         if choice < 0:
