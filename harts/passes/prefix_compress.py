@@ -58,12 +58,21 @@ def sorted_order_and_lcp(tokens: tuple[np.ndarray, ...]) -> tuple[list[int], lis
             return _sorted_by_keys(tokens)
         pivot = members[0]
         pivot_tokens, pivot_length = tokens[pivot], lengths[pivot]
+        # the first block of every comparison, read here once per group (most members leave the pivot in it)
+        block_end = min(depth + _FIRST_BLOCK, pivot_length)
+        pivot_block = pivot_tokens[depth:block_end]
         equal = [pivot]
         below: dict[tuple[int, int], list[int]] = {}
         above: dict[tuple[int, int], list[int]] = {}
         for member in members[1:]:
             array, length = tokens[member], lengths[member]
-            shared = _first_difference(array, pivot_tokens, depth, min(length, pivot_length))
+            if length >= block_end > depth:
+                differs = array[depth:block_end] != pivot_block
+                first = differs.argmax()
+                shared = depth + int(first) if differs[first] else _first_difference(
+                    array, pivot_tokens, block_end, min(length, pivot_length), 4 * _FIRST_BLOCK)
+            else:
+                shared = _first_difference(array, pivot_tokens, depth, min(length, pivot_length))
             if shared == length:
                 # a prefix of the pivot (the token after it is "none", below every token), or the pivot itself
                 (equal if shared == pivot_length else below.setdefault((shared, -1), [])).append(member)
@@ -94,10 +103,9 @@ def sorted_order_and_lcp(tokens: tuple[np.ndarray, ...]) -> tuple[list[int], lis
     return order, lcp
 
 
-def _first_difference(a: np.ndarray, b: np.ndarray, start: int, stop: int) -> int:
+def _first_difference(a: np.ndarray, b: np.ndarray, start: int, stop: int, block: int = _FIRST_BLOCK) -> int:
     """The first position in ``[start, stop)`` where ``a`` and ``b`` differ, else ``stop``; read in blocks that
-    grow from :data:`_FIRST_BLOCK`, so a difference soon after ``start`` costs a short read."""
-    block = _FIRST_BLOCK
+    grow fourfold from ``block``, so a difference soon after ``start`` costs a short read."""
     while start < stop:
         end = min(stop, start + block)
         differs = a[start:end] != b[start:end]
