@@ -99,6 +99,12 @@ class _RunRows:
         # rows are kept for the other lanes while all of them together stay small
         self.rows: dict[int, list[int]] = {}
         self.keep = int((lasts - firsts + 1).sum()) <= KEPT_ROW_ENTRIES
+        if self.pairs is not None and self.keep:
+            # the rows of a run of two or more are its diagonal block of the pair table: one slice per run, not
+            # one per rank (a trajectory alone in its run never reads its row)
+            heads = np.flatnonzero((firsts == np.arange(firsts.size)) & (lasts > firsts))
+            for head, last in zip(heads.tolist(), lasts[heads].tolist()):
+                self.rows.update(zip(range(head, last + 1), self.pairs[head : last + 1, head : last + 1].tolist()))
 
     def __call__(self, x: int) -> list[int]:
         row = self.rows.get(x)
