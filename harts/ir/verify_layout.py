@@ -469,18 +469,20 @@ class _AncestorRuns:
 def _check_state_handoffs(flat: _Flat, module: Module, rounds: _Rounds) -> None:
     """Exports and state sources encode the IR's references, numbered within each microbatch."""
     chunk = module.chunk_size
-    export_counts, positions, sources, exports, state_chunks = [], [], [], [], []
-    export_chunks = []
+    sequences = rounds.sequences
+    export_counts = [len(sequence.exports) for _, sequence in sequences]
+    positions = np.fromiter(itertools.chain.from_iterable(sequence.exports for _, sequence in sequences), dtype=np.int64,
+                            count=sum(export_counts))
+    export_chunks = (positions - np.repeat(rounds.replay_start, export_counts)) // chunk
+    # each sequence's first export among all of them: a producer's exports are numbered from its microbatch's first
+    first_export = list(itertools.accumulate(export_counts, initial=0))
+    sources, exports, state_chunks = [], [], []
     first = 0
     for count in rounds.sequence_counts.tolist():
-        sequences = rounds.sequences[first:first + count]
-        first += count
-        number_of = {(r, sequence.trajectory): number for number, (r, sequence) in enumerate(sequences)}
-        export_start = list(itertools.accumulate((len(s.exports) for _, s in sequences), initial=0))
-        for _, sequence in sequences:
-            export_counts.append(len(sequence.exports))
-            positions.extend(sequence.exports)
-            export_chunks.extend((p - sequence.replay_start) // chunk for p in sequence.exports)
+        local = sequences[first:first + count]
+        number_of = {(r, sequence.trajectory): number for number, (r, sequence) in enumerate(local)}
+        base = first_export[first]
+        for _, sequence in local:
             state = sequence.state_from
             if state is None:
                 sources.append(-1)
@@ -488,16 +490,17 @@ def _check_state_handoffs(flat: _Flat, module: Module, rounds: _Rounds) -> None:
                 state_chunks.append(-1)
                 continue
             producer = number_of[(state.round, state.trajectory)]
-            produced = sequences[producer][1]
+            produced = local[producer][1]
             sources.append(producer)
-            exports.append(export_start[producer] + produced.exports.index(state.position))
+            exports.append(first_export[first + producer] - base + produced.exports.index(state.position))
             state_chunks.append((state.position - produced.replay_start) // chunk)
+        first += count
     sequence_bounds = offsets_of(rounds.sequence_counts)
     export_offsets, export_offset_bounds = _grouped_offsets(np.array(export_counts, dtype=np.int64), rounds.sequence_counts)
     flat.expect("export_offsets", export_offsets, export_offset_bounds)
     export_bounds = offsets_of(export_offsets[export_offset_bounds[1:] - 1])  # each microbatch's last offset: its exports
-    flat.expect("export_position", np.array(positions, dtype=np.int64), export_bounds)
-    flat.expect("export_chunk", np.array(export_chunks, dtype=np.int64), export_bounds)
+    flat.expect("export_position", positions, export_bounds)
+    flat.expect("export_chunk", export_chunks, export_bounds)
     flat.expect("seq_state_source", np.array(sources, dtype=np.int64), sequence_bounds)
     flat.expect("seq_state_export", np.array(exports, dtype=np.int64), sequence_bounds)
     flat.expect("seq_state_chunk", np.array(state_chunks, dtype=np.int64), sequence_bounds)

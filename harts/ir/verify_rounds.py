@@ -37,65 +37,72 @@ def _verify_segments(module: Module, microbatch: Microbatch) -> None:
     if not segments:
         fail(f"{where}: phase {module.phase} needs a non-empty segment forest")
     _check_microbatch_members(module, microbatch)
-    used = set(trie.used_nodes(microbatch.trajectories))
     # members in ascending order: the first to reach a node is the smallest through it, and through all of the
-    # node's ancestors as well, so a later member's walk ends there
+    # node's ancestors as well, so a later member's walk ends there. The walks reach every node on a member's
+    # path, so the keys are the used nodes (:meth:`CompactTrie.used_nodes`, without a second walk)
     smallest_through: dict[int, int] = {}
     for trajectory in sorted(microbatch.trajectories):
         node = trie.leaf[trajectory]
         while node >= 0 and node not in smallest_through:
             smallest_through[node] = trajectory
             node = nodes[node].parent
-    used_child_count = {node: 0 for node in used}
+    used = smallest_through
+    used_child_count = dict.fromkeys(used, 0)
     for node in used:
-        if nodes[node].parent >= 0:
-            used_child_count[nodes[node].parent] += 1
+        parent = nodes[node].parent
+        if parent >= 0:
+            used_child_count[parent] += 1
 
+    # the messages name the segment (``{where}, segment {position}``), formatted only when a check fails
     owner: dict[int, int] = {}
     child_count = [0] * len(segments)
     previous_first = -1
     for position, segment in enumerate(segments):
-        here = f"{where}, segment {position}"
         if segment.id != position:
-            fail(f"{here}: id {segment.id}, segments must be numbered 0..n-1 in order")
-        if not segment.nodes:
-            fail(f"{here}: merges no trie nodes")
-        for node in segment.nodes:
+            fail(f"{where}, segment {position}: id {segment.id}, segments must be numbered 0..n-1 in order")
+        segment_nodes = segment.nodes
+        if not segment_nodes:
+            fail(f"{where}, segment {position}: merges no trie nodes")
+        for node in segment_nodes:
             if node not in used:
-                fail(f"{here}: trie node {node} is not on the path of any trajectory of the microbatch")
+                fail(f"{where}, segment {position}: trie node {node} is not on the path of any trajectory of the microbatch")
             if node in owner:
-                fail(f"{here}: trie node {node} also belongs to segment {owner[node]}")
-            owner[node] = segment.id
-        for upper, lower in zip(segment.nodes[:-1], segment.nodes[1:]):
+                fail(f"{where}, segment {position}: trie node {node} also belongs to segment {owner[node]}")
+            owner[node] = position
+        upper = segment_nodes[0]
+        for lower in segment_nodes[1:]:
             if nodes[lower].parent != upper:
-                fail(f"{here}: trie node {lower} does not continue trie node {upper}")
+                fail(f"{where}, segment {position}: trie node {lower} does not continue trie node {upper}")
             if used_child_count[upper] != 1:
-                fail(f"{here}: the microbatch forks inside the segment, at trie node {upper}")
-        first, last = nodes[segment.nodes[0]], nodes[segment.nodes[-1]]
+                fail(f"{where}, segment {position}: the microbatch forks inside the segment, at trie node {upper}")
+            upper = lower
+        first, last = nodes[segment_nodes[0]], nodes[segment_nodes[-1]]
         if used_child_count[last.id] == 1:
-            fail(f"{here}: not maximal, trie node {last.id} has a single used child and no fork")
-        if (segment.start, segment.end) != (first.start, last.end):
-            fail(f"{here}: span [{segment.start}, {segment.end}) differs from its trie nodes' span [{first.start}, {last.end})")
+            fail(f"{where}, segment {position}: not maximal, trie node {last.id} has a single used child and no fork")
+        if segment.start != first.start or segment.end != last.end:
+            fail(f"{where}, segment {position}: span [{segment.start}, {segment.end}) differs from its trie nodes' span "
+                 f"[{first.start}, {last.end})")
         if first.id <= previous_first:
-            fail(f"{here}: segments are not in preorder (first trie node {first.id} after {previous_first})")
+            fail(f"{where}, segment {position}: segments are not in preorder (first trie node {first.id} after {previous_first})")
         previous_first = first.id
-        if segment.parent == -1:
+        parent = segment.parent
+        if parent == -1:
             if first.parent != -1:
-                fail(f"{here}: root segment starts at trie node {first.id}, which has parent {first.parent}")
+                fail(f"{where}, segment {position}: root segment starts at trie node {first.id}, which has parent {first.parent}")
         else:
-            if not 0 <= segment.parent < segment.id:
-                fail(f"{here}: parent {segment.parent} must be an earlier segment (preorder)")
-            if segments[segment.parent].nodes[-1] != first.parent:
-                fail(f"{here}: parent segment {segment.parent} does not end at trie node {first.parent}, the parent of its first node")
-            child_count[segment.parent] += 1
+            if not 0 <= parent < position:
+                fail(f"{where}, segment {position}: parent {parent} must be an earlier segment (preorder)")
+            if segments[parent].nodes[-1] != first.parent:
+                fail(f"{where}, segment {position}: parent segment {parent} does not end at trie node {first.parent}, "
+                     "the parent of its first node")
+            child_count[parent] += 1
         if segment.trajectory != smallest_through[last.id]:
             fail(
-                f"{here}: representative trajectory {segment.trajectory}, expected {smallest_through[last.id]} "
+                f"{where}, segment {position}: representative trajectory {segment.trajectory}, expected {smallest_through[last.id]} "
                 f"(the smallest member through trie node {last.id})"
             )
-    missing = sorted(used - owner.keys())
-    if missing:
-        fail(f"{where}: trie node {missing[0]} of trajectory paths belongs to no segment")
+    if len(owner) != len(used):
+        fail(f"{where}: trie node {sorted(used.keys() - owner.keys())[0]} of trajectory paths belongs to no segment")
     for segment in segments:
         if child_count[segment.id] != used_child_count[segment.nodes[-1]]:
             fail(f"{where}, segment {segment.id}: {child_count[segment.id]} child segments but the trie forks into {used_child_count[segment.nodes[-1]]}")
@@ -237,6 +244,8 @@ def _check_exports(where: str, microbatch: Microbatch, chunk: int, requested: se
     """Exports ascend on the chunk grid inside the sequence, and some later sequence starts from each."""
     for round_ in microbatch.rounds:
         for sequence in round_.sequences:
+            if not sequence.exports:
+                continue
             here = f"{where}, round {round_.index}, trajectory {sequence.trajectory}"
             if list(sequence.exports) != sorted(set(sequence.exports)):
                 fail(f"{here}: exports {list(sequence.exports)} must be ascending without repeats")
@@ -291,6 +300,45 @@ def _state_source_lcps(module: Module, prefixes: PrefixIndex) -> dict[int, int]:
     return dict(zip(map(id, sequences), prefixes.lcps_of_trajectories(sources, readers).tolist()))
 
 
+def _sequence_holds(sequence: InputSequence, round_index: int, members: set[int], module: Module, segments, children,
+                    executed: dict[int, int], by_producer: dict, prefixes: PrefixIndex, shared_of: dict[int, int]) -> bool:
+    """Whether :func:`_check_span`, :func:`_check_chain` and :func:`_check_state_source` all pass for ``sequence``:
+    their conditions in one call, without their messages or side effects, since nearly every sequence passes
+    (the checks themselves then run only to name the fault)."""
+    trajectory, replay_start, start, end = sequence.trajectory, sequence.replay_start, sequence.start, sequence.end
+    chunk = module.chunk_size
+    if trajectory not in members or not 0 <= replay_start <= start < end <= module.trajectories[trajectory].length \
+            or replay_start % chunk or start - replay_start >= chunk:
+        return False
+    chain = sequence.segments
+    count = len(segments)
+    if not chain or len(set(chain)) != len(chain):
+        return False
+    for segment_id in chain:
+        if not 0 <= segment_id < count or segment_id in executed:
+            return False
+    upper = segments[chain[0]]
+    for segment_id in chain[1:]:
+        lower = segments[segment_id]
+        if lower.parent != upper.id:
+            return False
+        upper = lower
+    if children[upper.id] or start != segments[chain[0]].start or end != upper.end or trajectory != upper.trajectory:
+        return False
+    source = sequence.state_from
+    if source is None:
+        return replay_start == 0
+    if start == 0 or source.position != replay_start or source.round >= round_index:
+        return False
+    producer = by_producer.get((source.round, source.trajectory))
+    if producer is None or source.position not in producer.exports:
+        return False
+    shared = shared_of.get(id(sequence))
+    if shared is None:
+        shared = prefixes.lcp_trajectories(source.trajectory, sequence.trajectory)
+    return shared >= source.position
+
+
 def _verify_rounds(module: Module, microbatch: Microbatch, prefixes: PrefixIndex, shared_of: dict[int, int]) -> None:
     """One microbatch's rounds, invariant by invariant (each check names what it holds)."""
     where = f"microbatch {microbatch.index}"
@@ -305,13 +353,22 @@ def _verify_rounds(module: Module, microbatch: Microbatch, prefixes: PrefixIndex
     requested: set[tuple[int, int, int]] = set()
     covered: list[tuple[int, int]] = []
     for round_ in microbatch.rounds:
+        round_index = round_.index
         for sequence in round_.sequences:
-            here = f"{where}, round {round_.index}, trajectory {sequence.trajectory}"
-            _check_span(here, module, members, sequence)
-            _check_chain(here, segments, children, sequence, round_.index, executed)
-            request = _check_state_source(here, sequence, round_.index, by_producer, prefixes, shared_of)
-            if request is not None:
-                requested.add(request)
+            if _sequence_holds(sequence, round_index, members, module, segments, children, executed, by_producer,
+                               prefixes, shared_of):
+                for segment_id in sequence.segments:
+                    executed[segment_id] = round_index
+                source = sequence.state_from
+                if source is not None:
+                    requested.add((source.round, source.trajectory, source.position))
+            else:
+                here = f"{where}, round {round_index}, trajectory {sequence.trajectory}"
+                _check_span(here, module, members, sequence)
+                _check_chain(here, segments, children, sequence, round_index, executed)
+                request = _check_state_source(here, sequence, round_index, by_producer, prefixes, shared_of)
+                if request is not None:
+                    requested.add(request)
             covered.extend(_output_rows(module.trie, sequence.trajectory, sequence.start, sequence.end))
     _check_exports(where, microbatch, module.chunk_size, requested)
     _check_coverage(where, module.trie, microbatch, executed, covered)

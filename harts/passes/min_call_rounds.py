@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
+from operator import itemgetter
 
 import attrs
 
@@ -340,11 +341,12 @@ def round_microbatch(microbatch: Microbatch, chunk_size: int, shorten_critical_p
             exports=plan.exports[number],
         )
         input_sequences.append((sequence.round, first.id, item))
-    input_sequences.sort(key=lambda entry: (entry[0], entry[1]))
-    rounds = tuple(
-        Round(index=r, sequences=tuple(item for round_index, _, item in input_sequences if round_index == r))
-        for r in range(plan.num_rounds)
-    )
+    # (round, first segment) is unique: every segment runs in one sequence
+    input_sequences.sort(key=itemgetter(0, 1))
+    by_round: list[list[InputSequence]] = [[] for _ in range(plan.num_rounds)]
+    for round_index, _, item in input_sequences:
+        by_round[round_index].append(item)
+    rounds = tuple(Round(index=r, sequences=tuple(items)) for r, items in enumerate(by_round))
     return attrs.evolve(microbatch, rounds=rounds, replay_tokens=plan.replay_tokens)
 
 

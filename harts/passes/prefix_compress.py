@@ -7,6 +7,8 @@ trajectory shares exactly ``lcp[r]`` tokens with the current path.
 
 from __future__ import annotations
 
+import itertools
+
 import attrs
 import numpy as np
 
@@ -56,12 +58,21 @@ def sorted_order_and_lcp(tokens: tuple[np.ndarray, ...]) -> tuple[list[int], lis
             return _sorted_by_keys(tokens)
         pivot = members[0]
         pivot_tokens, pivot_length = tokens[pivot], lengths[pivot]
+        # the first block of every comparison, read here once per group (most members leave the pivot in it)
+        block_end = min(depth + _FIRST_BLOCK, pivot_length)
+        pivot_block = pivot_tokens[depth:block_end]
         equal = [pivot]
         below: dict[tuple[int, int], list[int]] = {}
         above: dict[tuple[int, int], list[int]] = {}
         for member in members[1:]:
             array, length = tokens[member], lengths[member]
-            shared = _first_difference(array, pivot_tokens, depth, min(length, pivot_length))
+            if length >= block_end > depth:
+                differs = array[depth:block_end] != pivot_block
+                first = differs.argmax()
+                shared = depth + int(first) if differs[first] else _first_difference(
+                    array, pivot_tokens, block_end, min(length, pivot_length), 4 * _FIRST_BLOCK)
+            else:
+                shared = _first_difference(array, pivot_tokens, depth, min(length, pivot_length))
             if shared == length:
                 # a prefix of the pivot (the token after it is "none", below every token), or the pivot itself
                 (equal if shared == pivot_length else below.setdefault((shared, -1), [])).append(member)
@@ -92,10 +103,9 @@ def sorted_order_and_lcp(tokens: tuple[np.ndarray, ...]) -> tuple[list[int], lis
     return order, lcp
 
 
-def _first_difference(a: np.ndarray, b: np.ndarray, start: int, stop: int) -> int:
+def _first_difference(a: np.ndarray, b: np.ndarray, start: int, stop: int, block: int = _FIRST_BLOCK) -> int:
     """The first position in ``[start, stop)`` where ``a`` and ``b`` differ, else ``stop``; read in blocks that
-    grow from :data:`_FIRST_BLOCK`, so a difference soon after ``start`` costs a short read."""
-    block = _FIRST_BLOCK
+    grow fourfold from ``block``, so a difference soon after ``start`` costs a short read."""
     while start < stop:
         end = min(stop, start + block)
         differs = a[start:end] != b[start:end]
@@ -121,55 +131,73 @@ def _sorted_by_keys(tokens: tuple[np.ndarray, ...]) -> tuple[list[int], list[int
     return order, lcp
 
 
-@attrs.define
-class _Building:
-    start: int
-    end: int
-    children: list["_Building"] = attrs.field(factory=list)
-    ending: list[int] = attrs.field(factory=list)  # trajectories that end at ``end``
-
-
 def build_compact_trie(tokens: tuple[np.ndarray, ...]) -> CompactTrie:
+    """The compact trie of ``tokens``: a stack walk over the ranks (each shares ``lcp[rank]`` tokens with the path
+    so far), then the nodes numbered in preorder with children in rank order.
+
+    Nodes under construction are indices into parallel lists (span, children, trajectories ending there), not
+    objects: the walk touches each node a few times, and for thousands of trajectories object creation and
+    attribute access were most of its time after the sort."""
     order, lcp = sorted_order_and_lcp(tokens)
-    roots: list[_Building] = []
-    path: list[_Building] = []
+    lengths = [len(trajectory) for trajectory in tokens]
+    starts: list[int] = []
+    ends: list[int] = []
+    children: list[list[int]] = []
+    ending: list[list[int]] = []  # the trajectories that end at a node's ``end``
+    roots: list[int] = []
+    path: list[int] = []
     for rank, trajectory in enumerate(order):
-        shared, length = lcp[rank], len(tokens[trajectory])
-        while path and path[-1].start >= shared:
+        shared, length = lcp[rank], lengths[trajectory]
+        while path and starts[path[-1]] >= shared:
             path.pop()
-        if path and path[-1].end > shared:
-            top = path[-1]
-            tail = _Building(shared, top.end, top.children, top.ending)
-            top.end, top.children, top.ending = shared, [tail], []
+        if path and ends[path[-1]] > shared:
+            # the path's last node splits at ``shared``: its lower part (a new node) keeps its children and endings
+            top, tail = path[-1], len(starts)
+            starts.append(shared)
+            ends.append(ends[top])
+            children.append(children[top])
+            ending.append(ending[top])
+            ends[top], children[top], ending[top] = shared, [tail], []
         if length > shared:
-            node = _Building(shared, length, ending=[trajectory])
-            (path[-1].children if path else roots).append(node)
+            node = len(starts)
+            starts.append(shared)
+            ends.append(length)
+            children.append([])
+            ending.append([trajectory])
+            (children[path[-1]] if path else roots).append(node)
             path.append(node)
         else:
-            path[-1].ending.append(trajectory)
+            ending[path[-1]].append(trajectory)
 
-    preorder: list[tuple[_Building, int, int]] = []  # (node, parent id, row)
-    leaf = [0] * len(tokens)
-    row = 0
-    stack: list[tuple[_Building, int]] = [(node, -1) for node in reversed(roots)]
-    subtree_ends: list[int] = []
+    count = len(starts)
+    preorder: list[int] = []
+    parent = [-1] * count
+    number = [0] * count  # node -> its preorder id
+    stack = roots[::-1]
     while stack:
-        node, parent = stack.pop()
-        node_id = len(preorder)
-        preorder.append((node, parent, row))
-        subtree_ends.append(len(node.ending))
-        row += node.end - node.start
-        for trajectory in node.ending:
+        node = stack.pop()
+        number[node] = len(preorder)
+        preorder.append(node)
+        kids = children[node]
+        if kids:
+            for kid in kids:
+                parent[kid] = node
+            stack.extend(reversed(kids))
+    node_starts = [starts[node] for node in preorder]
+    node_ends = [ends[node] for node in preorder]
+    parents = [-1 if parent[node] < 0 else number[parent[node]] for node in preorder]
+    through = [len(ending[node]) for node in preorder]
+    leaf = [0] * len(tokens)
+    for node_id, node in enumerate(preorder):
+        for trajectory in ending[node]:
             leaf[trajectory] = node_id
-        stack.extend((child, node_id) for child in reversed(node.children))
     # Children follow their parent in preorder, so one reverse sweep accumulates subtree counts.
-    for node_id in range(len(preorder) - 1, -1, -1):
-        parent = preorder[node_id][1]
-        if parent >= 0:
-            subtree_ends[parent] += subtree_ends[node_id]
-    nodes = tuple(TrieNode(id=node_id, parent=parent, start=node.start, end=node.end, multiplicity=subtree_ends[node_id], row=node_row)
-                  for node_id, (node, parent, node_row) in enumerate(preorder))
-    return CompactTrie(nodes=nodes, leaf=tuple(leaf), order=tuple(order), lcp=tuple(lcp), compact_tokens=row)
+    for node_id in range(count - 1, 0, -1):
+        if parents[node_id] >= 0:
+            through[parents[node_id]] += through[node_id]
+    rows = list(itertools.accumulate(map(int.__sub__, node_ends, node_starts), initial=0))
+    nodes = tuple(map(TrieNode, range(count), parents, node_starts, node_ends, through, rows))
+    return CompactTrie(nodes=nodes, leaf=tuple(leaf), order=tuple(order), lcp=tuple(lcp), compact_tokens=rows[-1])
 
 
 @builtin_pass("prefix-compress")

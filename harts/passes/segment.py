@@ -33,31 +33,28 @@ logger = logging.getLogger(__name__)
 def build_segments(trie: CompactTrie, trajectories: Sequence[int]) -> tuple[Segment, ...]:
     """The segment forest of the sub-trie used by ``trajectories`` (batch indices)."""
     nodes = trie.nodes
-    used = trie.used_nodes(trajectories)
-    used_children: dict[int, list[int]] = {node: [] for node in used}
+    # Representative: the smallest member index whose path runs through a node (its subtree). Members walk up
+    # from their leaves in ascending order, each until a node an earlier (smaller) member reached: the first to
+    # reach a node is the smallest through it, and the walks reach exactly the used nodes.
+    smallest_member: dict[int, int] = {}
+    for trajectory in sorted(trajectories):
+        node = trie.leaf[trajectory]
+        while node >= 0 and node not in smallest_member:
+            smallest_member[node] = trajectory
+            node = nodes[node].parent
+    used = sorted(smallest_member)  # ascending = preorder
+    used_child_count = dict.fromkeys(used, 0)
     for node in used:
         parent = nodes[node].parent
         if parent >= 0:
-            used_children[parent].append(node)
-
-    # Representative: the smallest member index whose path runs through a node (its subtree).
-    smallest_member: dict[int, int] = {}
-    for trajectory in trajectories:
-        leaf = trie.leaf[trajectory]
-        if trajectory < smallest_member.get(leaf, trajectory + 1):
-            smallest_member[leaf] = trajectory
-    for node in reversed(used):
-        parent = nodes[node].parent
-        if parent >= 0 and node in smallest_member:
-            if smallest_member[node] < smallest_member.get(parent, smallest_member[node] + 1):
-                smallest_member[parent] = smallest_member[node]
+            used_child_count[parent] += 1
 
     segment_of_node: dict[int, int] = {}
     chains: list[list[int]] = []
     segment_parent: list[int] = []
     for node in used:
         parent = nodes[node].parent
-        if parent >= 0 and len(used_children[parent]) == 1:
+        if parent >= 0 and used_child_count[parent] == 1:
             # A single used child continues its parent's fork-free path.
             segment = segment_of_node[parent]
             chains[segment].append(node)

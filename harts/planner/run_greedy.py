@@ -10,12 +10,15 @@ two ranks in one run have more. So for a trajectory ``x`` Eq. 10 takes only two 
   among those the best-fit choice is the heaviest one at most ``capacity - |x| + floor``: one
   bisection in the microbatches kept sorted by (work, lowest index);
 * a microbatch with a member in the run shares more: the most ``x`` shares with one of its
-  members there. One pass over the run's placed members, with ``x``'s row of LCPs inside the run
-  (from the pair table, or running minima of the adjacent LCPs without it), finds every such
-  microbatch that can still take ``x``; one that cannot, cannot take it sharing only the floor
-  either, so the bisection never returns it.
+  members there, which is that of its member nearest to ``x`` in rank order on either side (the
+  LCP of two ranks only falls as they move apart). One bisection per such microbatch in its
+  members' sorted offsets in the run, with ``x``'s row of LCPs inside the run (from the pair
+  table, or running minima of the adjacent LCPs without it), finds every one that can still take
+  ``x``; one that cannot, cannot take it sharing only the floor either, so the bisection never
+  returns it.
 
-A step then costs the run's placed members and a bisection instead of the lockstep's array
+A step then costs a bisection per microbatch holding members of the run, and one in all
+microbatches, instead of the lockstep's array
 operations over every open microbatch, and the lanes run one by one in plain Python. Runs are
 bounded by :data:`RUN_LIMIT`; a batch with a larger run keeps the lockstep (``harts.planner.greedy``).
 A lane can be stopped once it has more microbatches over half full than a given bound
@@ -96,6 +99,12 @@ class _RunRows:
         # rows are kept for the other lanes while all of them together stay small
         self.rows: dict[int, list[int]] = {}
         self.keep = int((lasts - firsts + 1).sum()) <= KEPT_ROW_ENTRIES
+        if self.pairs is not None and self.keep:
+            # the rows of a run of two or more are its diagonal block of the pair table: one slice per run, not
+            # one per rank (a trajectory alone in its run never reads its row)
+            heads = np.flatnonzero((firsts == np.arange(firsts.size)) & (lasts > firsts))
+            for head, last in zip(heads.tolist(), lasts[heads].tolist()):
+                self.rows.update(zip(range(head, last + 1), self.pairs[head : last + 1, head : last + 1].tolist()))
 
     def __call__(self, x: int) -> list[int]:
         row = self.rows.get(x)
@@ -119,33 +128,52 @@ def _place_lane(order: list[int], max_shared: bool, capacity: int, lengths: list
                 firsts: list[int], run_rows: _RunRows, most_half_full: int) -> tuple[list[int], list[int]] | None:
     """One lane of the lockstep greedy (:func:`harts.planner.greedy.place_all`): best-fit takes the feasible
     column heaviest after insertion, max-shared the one sharing most, then heaviest; ties to the lowest column.
-    None as soon as more than ``most_half_full`` columns hold more than half the capacity."""
+    None as soon as more than ``most_half_full`` columns hold more than half the capacity.
+
+    The loop runs once per trajectory per lane, so the ranking keys are compared field by field instead of as
+    tuples built per candidate, and a run's cached LCP rows are read from the dict directly: on the agentic
+    bench shape (runs of 16 trajectories on average, 12 of them placed when one comes, in 1.5 columns) the
+    lanes took a quarter less time than with one pass over the run's placed members."""
     half_full = 0
     labels = [-1] * len(lengths)
     works: list[int] = []
     keys: list[int] = []  # (work << bits) | (mask - column), ascending
-    # per run: the placed members' offsets in the run and their columns
-    placed_offsets: list[list[int]] = [[] for _ in range(run_of[-1])]
-    placed_columns: list[list[int]] = [[] for _ in range(run_of[-1])]
+    # per run: column -> the offsets in the run of its placed members there, ascending
+    placed: list[dict[int, list[int]]] = [{} for _ in range(run_of[-1])]
+    cached_rows = run_rows.rows
     for x in order:
-        length, run = lengths[x], run_of[x] - 1
-        offsets, columns = placed_offsets[run], placed_columns[run]
+        length, offset = lengths[x], x - firsts[x]
+        in_run = placed[run_of[x] - 1]
         # column -> tokens shared with x, for every column with a member in x's run that can take x: the most x
         # shares with one of its members. A column that cannot take x with what it shares cannot take it sharing
-        # only the floor either, so the bisection below never returns it: it is left out
+        # only the floor either, so the bisection below never returns it: it is left out. LCP(x, r) only falls as
+        # r moves away from x in rank order, so a column's most is that of its nearest member on either side
         shared: dict[int, int] = {}
-        if offsets:
-            row, slack = run_rows(x), capacity - length
-            for offset, column in zip(offsets, columns):
-                tokens = row[offset]
-                if tokens + slack >= works[column] and tokens > shared.get(column, -1):
+        if in_run:
+            row = cached_rows.get(x)
+            if row is None:
+                row = run_rows(x)
+            slack = capacity - length
+            for column, offsets in in_run.items():
+                at = bisect_left(offsets, offset)
+                if at == 0:
+                    tokens = row[offsets[0]]
+                elif at == len(offsets):
+                    tokens = row[offsets[-1]]
+                else:
+                    tokens = max(row[offsets[at - 1]], row[offsets[at]])
+                if tokens + slack >= works[column]:
                     shared[column] = tokens
-        choice, best = -1, None
+        # the best so far ranks by (tokens, after, -column) under max-shared, by (after, -column) under best-fit
+        choice = best_tokens = best_after = -1
         for column, tokens in shared.items():
             after = works[column] + length - tokens
-            rank_key = (tokens, after, -column) if max_shared else (after, -column)
-            if best is None or rank_key > best:
-                choice, best = column, rank_key
+            if max_shared and tokens != best_tokens:
+                better = tokens > best_tokens
+            else:
+                better = after > best_after or (after == best_after and column < choice)
+            if better:
+                choice, best_tokens, best_after = column, tokens, after
         if choice < 0 or not max_shared:
             # the heaviest column sharing only the floor that still fits; skip those of the run (evaluated above)
             position = bisect_right(keys, ((capacity - length + floor) << _COLUMN_BITS) | _COLUMN_MASK) - 1
@@ -154,7 +182,7 @@ def _place_lane(order: list[int], max_shared: bool, capacity: int, lengths: list
             if position >= 0:
                 column = _COLUMN_MASK - (keys[position] & _COLUMN_MASK)
                 after = (keys[position] >> _COLUMN_BITS) + length - floor
-                if best is None or (after, -column) > best:
+                if choice < 0 or after > best_after or (after == best_after and column < choice):
                     choice = column
         was_half_full = False
         if choice < 0:
@@ -170,6 +198,9 @@ def _place_lane(order: list[int], max_shared: bool, capacity: int, lengths: list
                 return None
         insort(keys, (works[choice] << _COLUMN_BITS) | (_COLUMN_MASK - choice))
         labels[x] = choice
-        offsets.append(x - firsts[x])
-        columns.append(choice)
+        offsets = in_run.get(choice)
+        if offsets is None:
+            in_run[choice] = [offset]
+        else:
+            insort(offsets, offset)
     return labels, works

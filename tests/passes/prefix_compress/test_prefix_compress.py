@@ -13,7 +13,7 @@ from harts.rollouts.batch import RolloutBatch
 from harts.ir.prefix_index import PrefixIndex
 from harts.ir.verify import verify
 from harts.passes import PassContext, lower
-from harts.passes.prefix_compress import PrefixCompress, _sorted_by_keys, build_compact_trie, sorted_order_and_lcp
+from harts.passes.prefix_compress import PrefixCompress, _first_difference, _sorted_by_keys, build_compact_trie, sorted_order_and_lcp
 from tests.helpers import token_trees
 
 
@@ -128,6 +128,19 @@ def test_sorted_order_and_lcp_of_long_shared_stretches_and_large_ids(blocks, tai
     shared = [(7 * k) % 1000 for k in range(4096 * blocks + 5)]
     trajectories = [shared + [tail] + shared[:tail % 50] for tail in tails] + [shared, shared[:4096], shared + [0]]
     assert sorted_order_and_lcp(as_arrays(trajectories)) == expected_order_and_lcp(trajectories)
+
+
+@given(st.lists(st.integers(0, 2), max_size=40), st.lists(st.integers(0, 2), max_size=40), st.integers(0, 40),
+       st.integers(1, 9), st.booleans())
+def test_first_difference_is_the_first_mismatch_at_any_block_size(a, b, start, block, prefix):
+    """The block-wise read (any first block, fourfold growth) finds the first mismatch in ``[start, stop)`` of the
+    scalar definition, ``stop`` when there is none: empty ranges, and one array a prefix of the other, included."""
+    if prefix:
+        b = a[: len(b)]
+    stop = min(len(a), len(b))
+    start = min(start, stop)
+    expected = next((i for i in range(start, stop) if a[i] != b[i]), stop)
+    assert _first_difference(np.array(a, dtype=np.int64), np.array(b, dtype=np.int64), start, stop, block) == expected
 
 
 def test_sorted_order_and_lcp_of_a_chain_of_prefixes():
