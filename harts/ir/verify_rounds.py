@@ -300,45 +300,6 @@ def _state_source_lcps(module: Module, prefixes: PrefixIndex) -> dict[int, int]:
     return dict(zip(map(id, sequences), prefixes.lcps_of_trajectories(sources, readers).tolist()))
 
 
-def _sequence_holds(sequence: InputSequence, round_index: int, members: set[int], module: Module, segments, children,
-                    executed: dict[int, int], by_producer: dict, prefixes: PrefixIndex, shared_of: dict[int, int]) -> bool:
-    """Whether :func:`_check_span`, :func:`_check_chain` and :func:`_check_state_source` all pass for ``sequence``:
-    their conditions in one call, without their messages or side effects, since nearly every sequence passes
-    (the checks themselves then run only to name the fault)."""
-    trajectory, replay_start, start, end = sequence.trajectory, sequence.replay_start, sequence.start, sequence.end
-    chunk = module.chunk_size
-    if trajectory not in members or not 0 <= replay_start <= start < end <= module.trajectories[trajectory].length \
-            or replay_start % chunk or start - replay_start >= chunk:
-        return False
-    chain = sequence.segments
-    count = len(segments)
-    if not chain or len(set(chain)) != len(chain):
-        return False
-    for segment_id in chain:
-        if not 0 <= segment_id < count or segment_id in executed:
-            return False
-    upper = segments[chain[0]]
-    for segment_id in chain[1:]:
-        lower = segments[segment_id]
-        if lower.parent != upper.id:
-            return False
-        upper = lower
-    if children[upper.id] or start != segments[chain[0]].start or end != upper.end or trajectory != upper.trajectory:
-        return False
-    source = sequence.state_from
-    if source is None:
-        return replay_start == 0
-    if start == 0 or source.position != replay_start or source.round >= round_index:
-        return False
-    producer = by_producer.get((source.round, source.trajectory))
-    if producer is None or source.position not in producer.exports:
-        return False
-    shared = shared_of.get(id(sequence))
-    if shared is None:
-        shared = prefixes.lcp_trajectories(source.trajectory, sequence.trajectory)
-    return shared >= source.position
-
-
 def _verify_rounds(module: Module, microbatch: Microbatch, prefixes: PrefixIndex, shared_of: dict[int, int]) -> None:
     """One microbatch's rounds, invariant by invariant (each check names what it holds)."""
     where = f"microbatch {microbatch.index}"
@@ -355,20 +316,12 @@ def _verify_rounds(module: Module, microbatch: Microbatch, prefixes: PrefixIndex
     for round_ in microbatch.rounds:
         round_index = round_.index
         for sequence in round_.sequences:
-            if _sequence_holds(sequence, round_index, members, module, segments, children, executed, by_producer,
-                               prefixes, shared_of):
-                for segment_id in sequence.segments:
-                    executed[segment_id] = round_index
-                source = sequence.state_from
-                if source is not None:
-                    requested.add((source.round, source.trajectory, source.position))
-            else:
-                here = f"{where}, round {round_index}, trajectory {sequence.trajectory}"
-                _check_span(here, module, members, sequence)
-                _check_chain(here, segments, children, sequence, round_index, executed)
-                request = _check_state_source(here, sequence, round_index, by_producer, prefixes, shared_of)
-                if request is not None:
-                    requested.add(request)
+            here = f"{where}, round {round_index}, trajectory {sequence.trajectory}"
+            _check_span(here, module, members, sequence)
+            _check_chain(here, segments, children, sequence, round_index, executed)
+            request = _check_state_source(here, sequence, round_index, by_producer, prefixes, shared_of)
+            if request is not None:
+                requested.add(request)
             covered.extend(_output_rows(module.trie, sequence.trajectory, sequence.start, sequence.end))
     _check_exports(where, microbatch, module.chunk_size, requested)
     _check_coverage(where, module.trie, microbatch, executed, covered)
