@@ -197,10 +197,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="also time the HARTS pass with the full-attention layers split at the forks (own rows "
                              "in place, each shared ancestor run once per fork, merged by log-sum-exp; "
                              "harts_bench.ablation.CascadeAttentionView) against the gathered key/value views")
-    parser.add_argument("--recompute-linear-intermediates", action="store_true",
-                        help="also time the HARTS pass with the linear-attention backward recomputing w, u and the "
-                             "chunk states, as fla does, instead of keeping them from the checkpoint's recompute "
-                             "(ChunkGatedDeltaRule.keep_intermediates_in_recompute = False)")
+    parser.add_argument("--keep-linear-intermediates", action="store_true",
+                        help="also time the HARTS pass with the linear-attention calls keeping w, u and the chunk "
+                             "states from the checkpoint's recompute for their backward instead of recomputing them "
+                             "there as fla does (kernels.linear_attention.chunk.intermediates_kept_in_recompute)")
     parser.add_argument("--sync-debug", action="store_true",
                         help="after the timed passes, count one HARTS pass's host-device synchronisations by source line")
     return parser.parse_args(argv)
@@ -912,8 +912,8 @@ def _measure_passes(run: _Run):
     # (flag, execution view, context the passes run in, label)
     variants = (("packed_linear_rows", PackedLinearRowsView, contextlib.nullcontext, "linear attention on packed rows"),
                 ("cascade_attention", CascadeAttentionView, contextlib.nullcontext, "attention split at the forks"),
-                ("recompute_linear_intermediates", TreeView, _linear_intermediates_recomputed,
-                 "linear-attention intermediates recomputed in the backward"))
+                ("keep_linear_intermediates", TreeView, fla_chunk.intermediates_kept_in_recompute,
+                 "linear-attention intermediates kept from the recompute"))
     for name, view_type, context, label in variants:
         if not getattr(args, name):
             continue
@@ -936,16 +936,6 @@ def _measure_passes(run: _Run):
         results["mean_abs_logprob_delta"] = float(np.mean(deltas))
     results["loss_delta"] = abs(baseline_fla["loss"] - harts_result["loss"])
     return baseline_lp, harts_lp
-
-
-@contextlib.contextmanager
-def _linear_intermediates_recomputed():
-    """The linear-attention backward recomputing what the checkpoint's recompute would keep (fla's default)."""
-    fla_chunk.ChunkGatedDeltaRule.keep_intermediates_in_recompute = False
-    try:
-        yield
-    finally:
-        fla_chunk.ChunkGatedDeltaRule.keep_intermediates_in_recompute = True
 
 
 def _measure_ablations(run: _Run, baseline_lp) -> None:

@@ -176,6 +176,18 @@ def keep_backward_intermediates():
         _keeping.on = previous
 
 
+@contextlib.contextmanager
+def intermediates_kept_in_recompute(on: bool = True):
+    """Turn :attr:`ChunkGatedDeltaRule.keep_intermediates_in_recompute` on (or off) for the duration of the
+    context, process-wide, and restore its value after."""
+    previous = ChunkGatedDeltaRule.keep_intermediates_in_recompute
+    ChunkGatedDeltaRule.keep_intermediates_in_recompute = on
+    try:
+        yield
+    finally:
+        ChunkGatedDeltaRule.keep_intermediates_in_recompute = previous
+
+
 class ChunkGatedDeltaRule(torch.autograd.Function):
     """(q, k, v, g, beta, initial_state) -> (o, final_state, exported); tensors [1, T, H, *].
 
@@ -183,10 +195,14 @@ class ChunkGatedDeltaRule(torch.autograd.Function):
     saves only its inputs and the intra-chunk matrices and the backward recomputes the rest; inside
     :func:`keep_backward_intermediates` the forward keeps them (fla's ``disable_recompute``). The kept
     tensors are the ones the recompute gives, bit for bit: the same kernels on the same inputs.
-    ``keep_intermediates_in_recompute = False`` ignores the context (the A/B of ``harts-bench``).
+    The context takes effect only while ``keep_intermediates_in_recompute`` is on (see
+    :func:`intermediates_kept_in_recompute`).
     """
 
-    keep_intermediates_in_recompute = True
+    #: off by default until the GPU tests of the kept path (``tests/kernels/test_linear_attention_chunk.py``,
+    #: bit-for-bit gradients against the recomputing path) have run on a GPU: a wrong gradient here would
+    #: train silently wrong, and the recomputing path is the one measured and verified so far
+    keep_intermediates_in_recompute = False
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, layout: _CallLayout, scale: float, chunk_size: int):

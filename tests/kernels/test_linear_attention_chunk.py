@@ -190,7 +190,8 @@ def _call_under_checkpoint(inputs, cu, exports, keep: bool):
             return chunk.chunk_linear_attention(*tensors[:5], cu, chunk_size=CHUNK, scale=KEY_DIM**-0.5,
                                                 initial_state=tensors[5], export_chunks=exports)
 
-    return checkpoint(body, *inputs, use_reentrant=False)
+    with chunk.intermediates_kept_in_recompute(True):
+        return checkpoint(body, *inputs, use_reentrant=False)
 
 
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
@@ -230,10 +231,8 @@ def test_the_context_decides_what_the_forward_saves():
 
     plain = saved_count()
     with chunk.keep_backward_intermediates():
-        kept = saved_count()
-        chunk.ChunkGatedDeltaRule.keep_intermediates_in_recompute = False
-        try:
+        with chunk.intermediates_kept_in_recompute(True):
+            kept = saved_count()
+        with chunk.intermediates_kept_in_recompute(False):
             switched_off = saved_count()
-        finally:
-            chunk.ChunkGatedDeltaRule.keep_intermediates_in_recompute = True
     assert kept == plain + 6 and switched_off == plain
