@@ -107,6 +107,20 @@ class CompactTrie:
                 node = self.nodes[node].parent
         return sorted(used)
 
+    def smallest_through(self, trajectories: Iterable[int]) -> dict[int, int]:
+        """For every node on the paths of ``trajectories``: the smallest of them whose path runs through it
+        (the keys are :meth:`used_nodes`, unordered).
+
+        Members walk up from their leaves in ascending order, each until a node an earlier one reached: the
+        first to reach a node is the smallest through it and through all of its ancestors as well."""
+        smallest: dict[int, int] = {}
+        for trajectory in sorted(trajectories):
+            node = self.leaf[trajectory]
+            while node >= 0 and node not in smallest:
+                smallest[node] = trajectory
+                node = self.nodes[node].parent
+        return smallest
+
     def segment_starts(self) -> list[bool]:
         """For every node: does a maximal fork-free segment begin there (a root, or a child of a fork)?"""
         children = [0] * len(self.nodes)

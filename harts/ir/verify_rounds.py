@@ -37,15 +37,9 @@ def _verify_segments(module: Module, microbatch: Microbatch) -> None:
     if not segments:
         fail(f"{where}: phase {module.phase} needs a non-empty segment forest")
     _check_microbatch_members(module, microbatch)
-    # members in ascending order: the first to reach a node is the smallest through it, and through all of the
-    # node's ancestors as well, so a later member's walk ends there. The walks reach every node on a member's
-    # path, so the keys are the used nodes (:meth:`CompactTrie.used_nodes`, without a second walk)
-    smallest_through: dict[int, int] = {}
-    for trajectory in sorted(microbatch.trajectories):
-        node = trie.leaf[trajectory]
-        while node >= 0 and node not in smallest_through:
-            smallest_through[node] = trajectory
-            node = nodes[node].parent
+    # the smallest member through each node of the members' paths: its keys are the used nodes
+    # (:meth:`CompactTrie.used_nodes`, without a second walk)
+    smallest_through = trie.smallest_through(microbatch.trajectories)
     used = smallest_through
     used_child_count = dict.fromkeys(used, 0)
     for node in used:

@@ -33,15 +33,9 @@ logger = logging.getLogger(__name__)
 def build_segments(trie: CompactTrie, trajectories: Sequence[int]) -> tuple[Segment, ...]:
     """The segment forest of the sub-trie used by ``trajectories`` (batch indices)."""
     nodes = trie.nodes
-    # Representative: the smallest member index whose path runs through a node (its subtree). Members walk up
-    # from their leaves in ascending order, each until a node an earlier (smaller) member reached: the first to
-    # reach a node is the smallest through it, and the walks reach exactly the used nodes.
-    smallest_member: dict[int, int] = {}
-    for trajectory in sorted(trajectories):
-        node = trie.leaf[trajectory]
-        while node >= 0 and node not in smallest_member:
-            smallest_member[node] = trajectory
-            node = nodes[node].parent
+    # Representative: the smallest member index whose path runs through a node (its subtree); its keys are the
+    # used nodes
+    smallest_member = trie.smallest_through(trajectories)
     used = sorted(smallest_member)  # ascending = preorder
     used_child_count = dict.fromkeys(used, 0)
     for node in used:
