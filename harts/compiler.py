@@ -56,8 +56,9 @@ def _prepare_while_hashing(batch: RolloutBatch, passes: Sequence[Pass],
     off the compile (``PassContext.prepared_plan`` hands the result to the pass only for exactly those
     inputs): the shape's verified compile went from 1.04-1.17 s to 0.86-0.93 s (best of 7, alternating
     processes, our 2-core CI machine). The worker retakes the GIL from the planner's Python only a few
-    dozen times, once per run of trajectories it hashes (``harts.rollouts.batch._update_with_tokens``). The hash is the same SHA-256 (:meth:`RolloutBatch.input_hash`), cached on the batch as ever:
-    ``lower`` reads it once the worker is joined here. A batch whose trie or plan cannot be built is left
+    dozen times, once per run of trajectories it hashes (``harts.rollouts.batch._update_with_tokens``). The
+    hash is the same SHA-256 (:meth:`RolloutBatch.input_hash`), cached on the batch as ever: ``lower`` reads
+    it once the worker is joined here. A batch whose trie or plan cannot be built is left
     to the passes, which raise with the pipeline's context.
     """
     if not any(getattr(step, "name", None) == "prefix-compress" for step in passes):
